@@ -1,0 +1,1 @@
+"""smol guest agent: runs inside the microVM, stdlib only."""

@@ -1,0 +1,1 @@
+"""smolctl: the command-line client."""

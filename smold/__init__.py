@@ -1,0 +1,1 @@
+"""smol: disposable KVM microVMs for agent evaluation."""

@@ -1,0 +1,1 @@
+"""x86-64 direct kernel boot (Linux boot protocol)."""

@@ -1,0 +1,1 @@
+"""Emulated devices: buses, legacy PC devices and virtio devices."""

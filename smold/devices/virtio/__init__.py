@@ -1,0 +1,1 @@
+"""virtio 1.2 transport (virtio-mmio) and split virtqueues."""

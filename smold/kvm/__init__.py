@@ -1,0 +1,1 @@
+"""KVM ioctl bindings following the fd hierarchy Kvm -> Vm -> Vcpu."""

@@ -1,0 +1,1 @@
+"""Guest memory: the only object that touches the guest RAM mapping."""
