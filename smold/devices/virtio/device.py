@@ -43,6 +43,11 @@ class InterruptSink(abc.ABC):
     @abc.abstractmethod
     def signal_config(self) -> None: ...
 
+    def signal_needs_reset(self, reason: str) -> None:  # noqa: B027 - optional hook, default no-op
+        """The device found its rings broken outside ``queue_notify`` (e.g. host-driven RX work):
+        the transport sets DEVICE_NEEDS_RESET (virtio 1.2 §2.1.2). Devices hitting QueueError inside
+        ``queue_notify`` may simply let it propagate instead."""
+
 
 class VirtioDevice(abc.ABC):
     """A device model: features, config space and queue processing; no transport knowledge.
