@@ -9,7 +9,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, G
 from dataclasses import dataclass, field
 from typing import Any
 
-from smol_agent import protocol as P
+from smol_agent import protocol as P  # type: ignore[attr-defined]
 
 from .errors import (
     AgentClosedError,

@@ -13,8 +13,8 @@ from smold.boot.layout import IDT_ADDR, IOAPIC_ADDR, TSS_ADDR
 from smold.devices.bus import Bus
 from smold.kvm import Kvm
 from smold.kvm.api import IoEventFdSpec, is_pvm
-from smold.kvm.structs import KVM_IRQCHIP_IOAPIC
 from smold.kvm.cpuid import build_cpuid, resolve_template
+from smold.kvm.structs import KVM_IRQCHIP_IOAPIC
 from smold.memory import GuestMemory
 from smold.vmm.vcpu import VcpuExit, VcpuThread, install_kick_handler
 
