@@ -17,7 +17,7 @@ from smold.devices.block.request import (
     parse_request,
 )
 from smold.devices.virtio.device import VIRTIO_ID_BLOCK, VirtioDevice, VirtioError
-from smold.devices.virtio.queue import ChainError
+from smold.devices.virtio.queue import DescriptorChain
 from smold.memory import GuestMemory, GuestMemoryError
 
 log = logging.getLogger(__name__)
@@ -79,36 +79,17 @@ class Block(VirtioDevice):
 
     # -- request queue (§5.2.6) ---------------------------------------------------------------------
     def queue_notify(self, index: int) -> None:
-        if index != 0 or not self.activated or self.mem is None or self.interrupt is None:
-            return
-        mem = self.mem
-        q = self.queues[0]
-        completed = 0
+        if index == 0:
+            self.process_queue(0, self._handle)
+
+    def _handle(self, mem: GuestMemory, chain: DescriptorChain) -> int:
         try:
-            # Bounded: at most one queue's worth per kick; a driver kicks again for more.
-            for _ in range(q.size):
-                try:
-                    chain = q.pop(mem)
-                except ChainError as e:
-                    log.debug("virtio-blk: %s", e)
-                    q.add_used(mem, e.head, 0)  # §2.7.4 malformed chain: nothing written
-                    completed += 1
-                    continue
-                if chain is None:
-                    break
-                try:
-                    request = parse_request(mem, chain, capacity=self.capacity, read_only=self.read_only,
-                                            max_bytes=self.max_request_bytes)
-                except RequestError as e:
-                    log.debug("virtio-blk: %s", e)
-                    used = 0 if e.status_addr is None else self._finish(mem, e.status_addr, e.status, 0)
-                else:
-                    used = self._execute(mem, request)
-                q.add_used(mem, chain.head, used)
-                completed += 1
-        finally:
-            if completed:
-                self.interrupt.signal_used(0)
+            request = parse_request(mem, chain, capacity=self.capacity, read_only=self.read_only,
+                                    max_bytes=self.max_request_bytes)
+        except RequestError as e:
+            log.debug("virtio-blk: %s", e)
+            return 0 if e.status_addr is None else self._finish(mem, e.status_addr, e.status, 0)
+        return self._execute(mem, request)
 
     def _execute(self, mem: GuestMemory, req: BlockRequest) -> int:
         """Do the I/O; returns the used length (bytes written to the guest, status included)."""

@@ -8,7 +8,6 @@ from smold.devices.rng.backend import RngBackend, RngBackendError, UrandomBacken
 from smold.devices.rng.persist import RngState, restore_rng, save_rng
 from smold.devices.rng.request import MAX_REQUEST_BYTES, RngRequest, parse_request
 from smold.devices.virtio.device import VIRTIO_ID_RNG, VirtioDevice, VirtioError
-from smold.devices.virtio.queue import ChainError
 from smold.memory import GuestMemory, GuestMemoryError
 
 log = logging.getLogger(__name__)
@@ -38,28 +37,9 @@ class Rng(VirtioDevice):
         return 0
 
     def queue_notify(self, index: int) -> None:
-        if index != 0 or not self.activated or self.mem is None or self.interrupt is None:
-            return
-        mem = self.mem
-        q = self.queues[0]
-        completed = 0
-        try:
-            for _ in range(q.size):
-                try:
-                    chain = q.pop(mem)
-                except ChainError as e:
-                    log.debug("virtio-rng: %s", e)
-                    q.add_used(mem, e.head, 0)
-                    completed += 1
-                    continue
-                if chain is None:
-                    break
-                used = self._fill(mem, chain.head, parse_request(chain, self.max_request_bytes))
-                q.add_used(mem, chain.head, used)
-                completed += 1
-        finally:
-            if completed:
-                self.interrupt.signal_used(0)
+        if index == 0:
+            self.process_queue(0, lambda mem, chain: self._fill(
+                mem, chain.head, parse_request(chain, self.max_request_bytes)))
 
     def _fill(self, mem: GuestMemory, head: int, request: RngRequest) -> int:
         """Scatter fresh entropy over the request's buffers; returns bytes written (the used length)."""

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
-from smold.devices.virtio.queue import Queue
+from smold.devices.virtio.queue import ChainError, DescriptorChain, Queue
 from smold.memory import GuestMemory
+
+_log = logging.getLogger(__name__)
 
 # virtio 1.2 §5: device IDs.
 VIRTIO_ID_NET = 1
@@ -96,6 +99,34 @@ class VirtioDevice(abc.ABC):
     @abc.abstractmethod
     def queue_notify(self, index: int) -> None:
         """Process queue ``index`` after the driver kicked it."""
+
+    def process_queue(self, index: int, handle: Callable[[GuestMemory, DescriptorChain], int]) -> None:
+        """Complete every available chain of queue ``index`` with ``handle``'s used length.
+
+        Bounded to one queue's worth per kick (the driver kicks again for more). A malformed chain is
+        completed with used length 0 (§2.7.4); one interrupt is raised if anything completed.
+        """
+        if not self.activated or self.mem is None or self.interrupt is None or index >= len(self.queues):
+            return
+        mem = self.mem
+        q = self.queues[index]
+        completed = 0
+        try:
+            for _ in range(q.size):
+                try:
+                    chain = q.pop(mem)
+                except ChainError as e:
+                    _log.debug("%s: %s", type(self).__name__, e)
+                    q.add_used(mem, e.head, 0)
+                    completed += 1
+                    continue
+                if chain is None:
+                    break
+                q.add_used(mem, chain.head, handle(mem, chain))
+                completed += 1
+        finally:
+            if completed:
+                self.interrupt.signal_used(index)
 
     def reset(self) -> None:
         self.acked_features = 0
