@@ -17,9 +17,10 @@ from smold.images.paths import GUEST_AGENT_DIR
 
 FILENAME = "vmlinux"
 FRAGMENT = GUEST_AGENT_DIR / "kernel" / "microvm.config"
+PATCH_DIR = GUEST_AGENT_DIR / "kernel" / "patches"   # *.patch, applied in name order with patch -p1
 SOURCE_PACKAGE = "linux-source-6.1"
 TARBALL = Path("/usr/src/linux-source-6.1.tar.xz")
-BUILD_DEPS = ("build-essential", "bc", "bison", "flex", "libelf-dev", "libssl-dev", "cpio", "xz-utils",
+BUILD_DEPS = ("build-essential", "bc", "bison", "flex", "libelf-dev", "libssl-dev", "cpio", "xz-utils", "patch",
               SOURCE_PACKAGE)
 # Packages whose versions change the output bytes (part of the cache key).
 KEY_PACKAGES = (SOURCE_PACKAGE, "gcc-12", "binutils", "libc6-dev")
@@ -46,6 +47,12 @@ class KernelInputs:
     fragment: Path
     tarball: Path
     versions: Mapping[str, str] = field(default_factory=dict)
+    patch_dir: Path | None = None
+
+    def patches(self) -> list[Path]:
+        if self.patch_dir is None or not self.patch_dir.is_dir():
+            return []
+        return sorted(self.patch_dir.glob("*.patch"))
 
     def key_parts(self) -> dict[str, bytes | str]:
         try:
@@ -64,6 +71,7 @@ class KernelInputs:
             "env": repr(sorted(BUILD_ENV.items())),
             "script:kernel.py": Path(__file__).read_bytes(),
             "script:kconfig.py": Path(kconfig.__file__).read_bytes(),
+            **{f"patch:{p.name}": p.read_bytes() for p in self.patches()},
         }
 
     def key(self) -> str:
@@ -75,7 +83,7 @@ class KernelInputs:
 
 
 def default_inputs() -> KernelInputs:
-    return KernelInputs(FRAGMENT, TARBALL, proc.package_versions(KEY_PACKAGES))
+    return KernelInputs(FRAGMENT, TARBALL, proc.package_versions(KEY_PACKAGES), PATCH_DIR)
 
 
 def configure(src: Path, fragment: Path, log: Path) -> None:
@@ -102,6 +110,9 @@ def build_kernel(inputs: KernelInputs, out_dir: Path, work_dir: Path, log: Path,
     if len(srcs) != 1:
         raise KernelBuildError(f"{inputs.tarball} did not unpack to one source tree: {srcs}")
     src = srcs[0]
+    for patch in inputs.patches():
+        _progress(f"kernel: applying {patch.name}")
+        proc.run(["patch", "-p1", "--forward", "--batch", "-i", patch], cwd=src, log=log)
     configure(src, inputs.fragment, log)
     jobs = jobs or os.cpu_count() or 1
     _progress(f"kernel: make -j{jobs} vmlinux (several minutes)")

@@ -101,6 +101,28 @@ def build_cpuid(supported: list[s.KvmCpuidEntry2], template: CpuTemplate, vcpu_i
     return out
 
 
+# On PVM the guest's CPUID instruction at CPL0 returns the *host's* values: KVM_SET_CPUID2 does not
+# reach it (measured: docs/pvm-emulator.md). So the compat template also hides features through the
+# Linux command line, which clears them from boot_cpu_data before anything uses them:
+#   noxsave          no XSAVE/XRSTOR (the emulator fails on xrstor); FPU state via FXSAVE
+#   clearcpuid=N,..  X86_FEATURE_* numbers (word*32+bit, arch/x86/include/asm/cpufeatures.h) whose
+#                    instructions the emulator cannot run at CPL0: 141 CX16 (cmpxchg16b in SLUB),
+#                    150 MOVBE, 151 POPCNT (hweight alternatives), 158 RDRAND, 308 SMAP (stac/clac),
+#                    534 RDPID
+#   nopcid noinvpcid plain CR3 writes, no INVPCID
+#   nopku nofsgsbase no PKRU writes and no RDFSBASE/WRFSBASE at CPL0
+#   smol_cpl0_emulated  the guest kernel's own switch (guest-agent/kernel/patches/0001-*.patch): no
+#                    INT3 self-test, no FWAIT, and user-mode SYSCALL completed from the #PF it
+#                    raises on PVM (docs/pvm-emulator.md)
+COMPAT_CMDLINE = ("noxsave clearcpuid=141,150,151,158,308,534 nopcid noinvpcid nopku nofsgsbase "
+                  "smol_cpl0_emulated")
+
+
+def template_cmdline(template: CpuTemplate) -> str:
+    """Kernel command-line arguments that complete ``template`` inside the guest."""
+    return COMPAT_CMDLINE if template is CpuTemplate.COMPAT else ""
+
+
 def resolve_template(name: str, pvm: bool) -> CpuTemplate:
     """``auto`` picks COMPAT on PVM hosts and HOST elsewhere."""
     if name == "auto":

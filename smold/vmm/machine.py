@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -46,7 +47,7 @@ from smold.devices.vsock.backend import VsockBackend
 from smold.devices.vsock.device import Vsock
 from smold.kvm import Kvm, Vcpu, is_pvm
 from smold.kvm.api import IoEventFdSpec
-from smold.kvm.cpuid import CpuTemplate, build_cpuid, resolve_template
+from smold.kvm.cpuid import CpuTemplate, build_cpuid, resolve_template, template_cmdline
 from smold.memory import GuestMemory
 from smold.vmm.vcpu import VcpuExit, VcpuThread, install_kick_handler
 
@@ -180,6 +181,7 @@ class Machine:
         self.pio.insert(I8042_PORT, 5, self.i8042)
         self.pio.insert(CMOS_PORT, 2, Cmos())
 
+        self.template: CpuTemplate = resolve_template(cfg.cpu_template, is_pvm())
         self.transports: list[MmioTransport] = []
         self.virtio_cmdline: list[str] = []
         self._notify_fds: list[tuple[int, MmioTransport, int]] = []
@@ -191,7 +193,6 @@ class Machine:
         self._add_virtio(self.vsock)
         self._add_virtio(Rng())
 
-        self.template: CpuTemplate = resolve_template(cfg.cpu_template, is_pvm())
         kernel = self._load_kernel()
         self._write_boot_data(kernel)
         supported = self.kvm.supported_cpuid()
@@ -219,7 +220,7 @@ class Machine:
         self.virtio_cmdline.append(kernel_cmdline_arg(base, irq_no))
         for q in range(len(device.queue_max_sizes)):
             fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-            self._closers.append(lambda fd=fd: os.close(fd))
+            self._closers.append(functools.partial(os.close, fd))
             self.vm.register_ioeventfd(IoEventFdSpec(base + QUEUE_NOTIFY_OFFSET, 4, fd, datamatch=q, pio=False))
             self._notify_fds.append((fd, transport, q))
 
@@ -235,7 +236,7 @@ class Machine:
 
     def kernel_cmdline(self) -> str:
         cfg = self.config
-        parts = [cfg.cmdline, *self.virtio_cmdline]
+        parts = [cfg.cmdline, template_cmdline(self.template), *self.virtio_cmdline]
         if cfg.hostname:
             parts.append(f"smol.hostname={cfg.hostname}")
         if cfg.cmdline_extra:

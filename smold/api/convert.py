@@ -1,0 +1,397 @@
+"""Pure conversions between the project's dataclasses and smol.v1 proto messages.
+
+Inbound Smolfile content (an inline spec, or checks in a VerifyRequest) is turned into the Smolfile's
+TOML-shaped mapping and validated by the same parser as a Smolfile.toml, so both paths accept and
+reject exactly the same things; errors are SmolfileError naming the TOML key. Conversions here never
+touch the file system (mount sources are checked by smold.smolfile.check_mount_sources).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC
+from typing import Any
+
+from smold.agent import ExecEvent, ExecExit, ExecStderr, ExecStdout
+from smold.smolfile import (
+    Check,
+    Command,
+    CommandCheck,
+    FileExistsCheck,
+    FileMatchesCheck,
+    HttpCheck,
+    Limits,
+    Smolfile,
+    SmolfileError,
+    parse_mapping,
+    parse_smolfile,
+)
+from smold.smolfile.errors import KeyPath
+from smold.verifier import CheckResult, Evidence, VerifyResult
+
+from .machine import MachineInfo, MachineState
+from .v1 import smol_pb2 as pb
+
+INLINE_SPEC = "<inline spec>"
+INLINE_CHECKS = "<request checks>"
+
+
+class ConversionError(ValueError):
+    """A proto message cannot be turned into its dataclass (a required field is unset or out of range)."""
+
+
+# --- machines ---------------------------------------------------------------------------------------------
+_STATE_TO_PROTO: dict[MachineState, pb.MachineState] = {
+    MachineState.CREATING: pb.MACHINE_STATE_CREATING,
+    MachineState.RUNNING: pb.MACHINE_STATE_RUNNING,
+    MachineState.PAUSED: pb.MACHINE_STATE_PAUSED,
+    MachineState.STOPPING: pb.MACHINE_STATE_STOPPING,
+    MachineState.STOPPED: pb.MACHINE_STATE_STOPPED,
+    MachineState.FAILED: pb.MACHINE_STATE_FAILED,
+}
+_STATE_FROM_PROTO: dict[int, MachineState] = {int(v): k for k, v in _STATE_TO_PROTO.items()}
+
+
+def machine_state_to_proto(state: MachineState) -> pb.MachineState:
+    return _STATE_TO_PROTO[state]
+
+
+def machine_state_from_proto(state: int) -> MachineState:
+    try:
+        return _STATE_FROM_PROTO[state]
+    except KeyError:
+        raise ConversionError(f"machine state {state} is unspecified or unknown") from None
+
+
+def machine_to_proto(m: MachineInfo) -> pb.Machine:
+    if m.created_at.tzinfo is None:
+        raise ConversionError("created_at must be timezone-aware")
+    msg = pb.Machine(
+        id=m.id,
+        name=m.name,
+        state=machine_state_to_proto(m.state),
+        cpus=m.cpus,
+        memory_mib=m.memory_mib,
+        image=m.image,
+        image_digest=m.image_digest,
+        smolfile_digest=m.smolfile_digest,
+        failure_reason=m.failure_reason,
+        console_tail=m.console_tail,
+    )
+    msg.created_at.FromDatetime(m.created_at)
+    return msg
+
+
+def machine_from_proto(msg: pb.Machine) -> MachineInfo:
+    if not msg.HasField("created_at"):
+        raise ConversionError("machine has no created_at")
+    return MachineInfo(
+        id=msg.id,
+        name=msg.name,
+        state=machine_state_from_proto(msg.state),
+        cpus=msg.cpus,
+        memory_mib=msg.memory_mib,
+        image=msg.image,
+        created_at=msg.created_at.ToDatetime(tzinfo=UTC),
+        image_digest=msg.image_digest,
+        smolfile_digest=msg.smolfile_digest,
+        failure_reason=msg.failure_reason,
+        console_tail=msg.console_tail,
+    )
+
+
+# --- verifier results -------------------------------------------------------------------------------------
+def evidence_to_proto(e: Evidence) -> pb.Evidence:
+    msg = pb.Evidence(
+        output_tail=e.output_tail, duration_ms=e.duration_ms, detail=e.detail, timed_out=e.timed_out
+    )
+    if e.exit_code is not None:
+        msg.exit_code = e.exit_code
+    return msg
+
+
+def evidence_from_proto(msg: pb.Evidence) -> Evidence:
+    return Evidence(
+        exit_code=msg.exit_code if msg.HasField("exit_code") else None,
+        output_tail=msg.output_tail,
+        duration_ms=msg.duration_ms,
+        detail=msg.detail,
+        timed_out=msg.timed_out,
+    )
+
+
+def check_result_to_proto(r: CheckResult) -> pb.CheckResult:
+    return pb.CheckResult(name=r.name, kind=r.kind, passed=r.passed, evidence=evidence_to_proto(r.evidence))
+
+
+def check_result_from_proto(msg: pb.CheckResult) -> CheckResult:
+    return CheckResult(msg.name, msg.kind, msg.passed, evidence_from_proto(msg.evidence))
+
+
+def verify_result_to_proto(r: VerifyResult) -> pb.VerifyResult:
+    return pb.VerifyResult(
+        passed=r.passed,
+        checks=[check_result_to_proto(c) for c in r.checks],
+        image_digest=r.image_digest,
+        smolfile_digest=r.smolfile_digest,
+        duration_ms=r.duration_ms,
+    )
+
+
+def verify_result_from_proto(msg: pb.VerifyResult) -> VerifyResult:
+    return VerifyResult(
+        passed=msg.passed,
+        checks=tuple(check_result_from_proto(c) for c in msg.checks),
+        image_digest=msg.image_digest,
+        smolfile_digest=msg.smolfile_digest,
+        duration_ms=msg.duration_ms,
+    )
+
+
+# --- exec events ------------------------------------------------------------------------------------------
+def exec_event_to_proto(event: ExecEvent) -> pb.ExecResponse:
+    """One agent exec event as one streamed ExecResponse."""
+    if isinstance(event, ExecStdout):
+        return pb.ExecResponse(stdout=event.data)
+    if isinstance(event, ExecStderr):
+        return pb.ExecResponse(stderr=event.data)
+    exit_msg = pb.ExecExit(timed_out=event.timed_out, duration_ms=max(0, round(event.duration * 1000)))
+    if event.exit_code is not None:
+        exit_msg.exit_code = event.exit_code
+    if event.signal is not None:
+        exit_msg.signal = event.signal
+    return pb.ExecResponse(exit=exit_msg)
+
+
+def exec_event_from_proto(msg: pb.ExecResponse) -> ExecEvent:
+    which = msg.WhichOneof("event")
+    if which == "stdout":
+        return ExecStdout(msg.stdout)
+    if which == "stderr":
+        return ExecStderr(msg.stderr)
+    if which == "exit":
+        e = msg.exit
+        return ExecExit(
+            exit_code=e.exit_code if e.HasField("exit_code") else None,
+            signal=e.signal if e.HasField("signal") else None,
+            timed_out=e.timed_out,
+            duration=e.duration_ms / 1000,
+        )
+    raise ConversionError("ExecResponse has no event")
+
+
+# --- Smolfile: dataclass -> proto -------------------------------------------------------------------------
+def _set_run(msg: pb.Command | pb.CommandCheck, run: str | tuple[str, ...]) -> None:
+    if isinstance(run, str):
+        msg.shell = run
+    else:
+        msg.argv.extend(run)
+
+
+def command_to_proto(cmd: Command) -> pb.Command:
+    msg = pb.Command(cwd=cmd.cwd or "", user=cmd.user or "")
+    _set_run(msg, cmd.run)
+    if cmd.timeout is not None:
+        msg.timeout_seconds = cmd.timeout
+    return msg
+
+
+def check_to_proto(check: Check) -> pb.Check:
+    msg = pb.Check(name=check.name)
+    if check.timeout is not None:
+        msg.timeout_seconds = check.timeout
+    if isinstance(check, CommandCheck):
+        msg.command.expect_exit = check.expect_exit
+        msg.command.cwd = check.cwd or ""
+        msg.command.user = check.user or ""
+        _set_run(msg.command, check.run)
+    elif isinstance(check, FileExistsCheck):
+        msg.file_exists.path = check.path
+    elif isinstance(check, FileMatchesCheck):
+        msg.file_matches.path = check.path
+        if check.content is not None:
+            msg.file_matches.content = check.content
+        elif check.regex is not None:
+            msg.file_matches.regex = check.regex
+        elif check.sha256 is not None:
+            msg.file_matches.sha256 = check.sha256
+    elif isinstance(check, HttpCheck):
+        msg.http.url = check.url
+        msg.http.expect_status = check.expect_status
+        msg.http.contains = check.contains or ""
+    else:
+        msg.reward.path = check.path or ""
+        msg.reward.threshold = check.threshold
+    return msg
+
+
+def smolfile_to_spec_proto(s: Smolfile) -> pb.SmolfileSpec:
+    """A validated Smolfile as an inline spec (every default explicit)."""
+    msg = pb.SmolfileSpec(
+        image=s.image,
+        cpus=s.cpus,
+        memory_mib=s.memory_mib,
+        network=pb.NetworkPolicy(allow=[str(r) for r in s.network.allow]),
+        mounts=[pb.Mount(host_path=m.host, guest_path=m.guest) for m in s.mounts],
+        env=dict(s.env),
+        setup=[command_to_proto(c) for c in s.setup],
+        timeouts=pb.Timeouts(
+            boot_seconds=s.timeouts.boot,
+            setup_seconds=s.timeouts.setup,
+            task_seconds=s.timeouts.task,
+            verify_seconds=s.timeouts.verify,
+        ),
+        checks=[check_to_proto(c) for c in s.checks],
+        base_dir=s.base_dir or "",
+    )
+    if s.task is not None:
+        msg.task.CopyFrom(command_to_proto(s.task))
+    return msg
+
+
+# --- Smolfile: proto -> dataclass (validated) -------------------------------------------------------------
+def _run_value(msg: pb.Command | pb.CommandCheck, file: str, path: KeyPath) -> str | list[str]:
+    if msg.shell and len(msg.argv):
+        raise SmolfileError.at(file, path, "set only one of 'shell' and 'argv'")
+    return msg.shell if msg.shell or not len(msg.argv) else list(msg.argv)
+
+
+def _command_mapping(msg: pb.Command, file: str, path: KeyPath) -> dict[str, Any]:
+    out: dict[str, Any] = {"run": _run_value(msg, file, [*path, "run"])}
+    if msg.HasField("timeout_seconds"):
+        out["timeout"] = msg.timeout_seconds
+    if msg.cwd:
+        out["cwd"] = msg.cwd
+    if msg.user:
+        out["user"] = msg.user
+    return out
+
+
+def _check_mapping(msg: pb.Check, file: str, path: KeyPath) -> dict[str, Any]:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise SmolfileError.at(file, [*path, "kind"], "no check kind set")
+    out: dict[str, Any] = {"kind": kind}
+    if msg.name:
+        out["name"] = msg.name
+    if msg.HasField("timeout_seconds"):
+        out["timeout"] = msg.timeout_seconds
+    if kind == "command":
+        out["run"] = _run_value(msg.command, file, [*path, "run"])
+        out["expect_exit"] = msg.command.expect_exit
+        if msg.command.cwd:
+            out["cwd"] = msg.command.cwd
+        if msg.command.user:
+            out["user"] = msg.command.user
+    elif kind == "file_exists":
+        out["path"] = msg.file_exists.path
+    elif kind == "file_matches":
+        out["path"] = msg.file_matches.path
+        match = msg.file_matches.WhichOneof("match")
+        if match is not None:
+            out[match] = getattr(msg.file_matches, match)
+    elif kind == "http":
+        out["url"] = msg.http.url
+        if msg.http.HasField("expect_status"):
+            out["expect_status"] = msg.http.expect_status
+        if msg.http.contains:
+            out["contains"] = msg.http.contains
+    else:
+        if msg.reward.path:
+            out["path"] = msg.reward.path
+        if msg.reward.HasField("threshold"):
+            out["threshold"] = msg.reward.threshold
+    return out
+
+
+def _checks_mapping(checks: Iterable[pb.Check], file: str) -> list[dict[str, Any]]:
+    return [_check_mapping(c, file, ["verifier", "checks", i]) for i, c in enumerate(checks)]
+
+
+def spec_mapping(msg: pb.SmolfileSpec, file: str = INLINE_SPEC) -> dict[str, Any]:
+    """The inline spec as the TOML-shaped mapping smold.smolfile.parse_mapping validates."""
+    out: dict[str, Any] = {}
+    if msg.image:
+        out["image"] = msg.image
+    if msg.HasField("cpus"):
+        out["cpus"] = msg.cpus
+    if msg.HasField("memory_mib"):
+        out["memory"] = msg.memory_mib
+    if len(msg.network.allow):
+        out["network"] = {"allow": list(msg.network.allow)}
+    if len(msg.mounts):
+        mounts: dict[str, str] = {}
+        for m in msg.mounts:
+            if m.host_path in mounts:
+                raise SmolfileError.at(file, ["mounts", m.host_path], "duplicate host path")
+            mounts[m.host_path] = m.guest_path
+        out["mounts"] = mounts
+    if len(msg.env):
+        out["env"] = dict(msg.env)
+    if len(msg.setup):
+        out["setup"] = [_command_mapping(c, file, ["setup", i]) for i, c in enumerate(msg.setup)]
+    if msg.HasField("task"):
+        out["task"] = _command_mapping(msg.task, file, ["task"])
+    if msg.HasField("timeouts"):
+        timeouts = {
+            key: getattr(msg.timeouts, f"{key}_seconds")
+            for key in ("boot", "setup", "task", "verify")
+            if msg.timeouts.HasField(f"{key}_seconds")
+        }
+        if timeouts:
+            out["timeouts"] = timeouts
+    if len(msg.checks):
+        out["verifier"] = {"checks": _checks_mapping(msg.checks, file)}
+    return out
+
+
+def smolfile_from_spec_proto(
+    msg: pb.SmolfileSpec, *, limits: Limits | None = None, filename: str = INLINE_SPEC
+) -> Smolfile:
+    """Validate an inline spec exactly like a Smolfile.toml. Raises SmolfileError."""
+    return parse_mapping(
+        spec_mapping(msg, filename), base_dir=msg.base_dir or None, filename=filename, limits=limits
+    )
+
+
+def smolfile_from_proto(msg: pb.Smolfile, *, limits: Limits | None = None) -> Smolfile:
+    """A request's Smolfile, TOML text or inline spec, validated. Raises SmolfileError."""
+    which = msg.WhichOneof("source")
+    if which == "toml":
+        filename = msg.toml.filename or "Smolfile.toml"
+        return parse_smolfile(msg.toml.text, base_dir=msg.toml.base_dir or None, filename=filename, limits=limits)
+    if which == "spec":
+        return smolfile_from_spec_proto(msg.spec, limits=limits)
+    raise SmolfileError("<request>", "smolfile", "no Smolfile given (set toml or spec)")
+
+
+def checks_from_proto(checks: Iterable[pb.Check], *, filename: str = INLINE_CHECKS) -> tuple[Check, ...]:
+    """Checks sent with a VerifyRequest, validated like a Smolfile's [[verifier.checks]]."""
+    mapping = {"verifier": {"checks": _checks_mapping(checks, filename)}}
+    return parse_mapping(mapping, base_dir=None, filename=filename).checks
+
+
+__all__ = [
+    "INLINE_CHECKS",
+    "INLINE_SPEC",
+    "ConversionError",
+    "check_result_from_proto",
+    "check_result_to_proto",
+    "check_to_proto",
+    "checks_from_proto",
+    "command_to_proto",
+    "evidence_from_proto",
+    "evidence_to_proto",
+    "exec_event_from_proto",
+    "exec_event_to_proto",
+    "machine_from_proto",
+    "machine_state_from_proto",
+    "machine_state_to_proto",
+    "machine_to_proto",
+    "smolfile_from_proto",
+    "smolfile_from_spec_proto",
+    "smolfile_to_spec_proto",
+    "spec_mapping",
+    "verify_result_from_proto",
+    "verify_result_to_proto",
+]

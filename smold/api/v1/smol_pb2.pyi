@@ -1,0 +1,469 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class MachineState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MACHINE_STATE_UNSPECIFIED: _ClassVar[MachineState]
+    MACHINE_STATE_CREATING: _ClassVar[MachineState]
+    MACHINE_STATE_RUNNING: _ClassVar[MachineState]
+    MACHINE_STATE_PAUSED: _ClassVar[MachineState]
+    MACHINE_STATE_STOPPING: _ClassVar[MachineState]
+    MACHINE_STATE_STOPPED: _ClassVar[MachineState]
+    MACHINE_STATE_FAILED: _ClassVar[MachineState]
+
+class CopyFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COPY_FORMAT_UNSPECIFIED: _ClassVar[CopyFormat]
+    COPY_FORMAT_FILE: _ClassVar[CopyFormat]
+    COPY_FORMAT_TAR: _ClassVar[CopyFormat]
+MACHINE_STATE_UNSPECIFIED: MachineState
+MACHINE_STATE_CREATING: MachineState
+MACHINE_STATE_RUNNING: MachineState
+MACHINE_STATE_PAUSED: MachineState
+MACHINE_STATE_STOPPING: MachineState
+MACHINE_STATE_STOPPED: MachineState
+MACHINE_STATE_FAILED: MachineState
+COPY_FORMAT_UNSPECIFIED: CopyFormat
+COPY_FORMAT_FILE: CopyFormat
+COPY_FORMAT_TAR: CopyFormat
+
+class Machine(_message.Message):
+    __slots__ = ("id", "name", "state", "cpus", "memory_mib", "image", "image_digest", "smolfile_digest", "created_at", "failure_reason", "console_tail")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SMOLFILE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
+    CONSOLE_TAIL_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    state: MachineState
+    cpus: int
+    memory_mib: int
+    image: str
+    image_digest: str
+    smolfile_digest: str
+    created_at: _timestamp_pb2.Timestamp
+    failure_reason: str
+    console_tail: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[MachineState, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., image: _Optional[str] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., console_tail: _Optional[str] = ...) -> None: ...
+
+class Smolfile(_message.Message):
+    __slots__ = ("toml", "spec")
+    TOML_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    toml: SmolfileToml
+    spec: SmolfileSpec
+    def __init__(self, toml: _Optional[_Union[SmolfileToml, _Mapping]] = ..., spec: _Optional[_Union[SmolfileSpec, _Mapping]] = ...) -> None: ...
+
+class SmolfileToml(_message.Message):
+    __slots__ = ("text", "base_dir", "filename")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    BASE_DIR_FIELD_NUMBER: _ClassVar[int]
+    FILENAME_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    base_dir: str
+    filename: str
+    def __init__(self, text: _Optional[str] = ..., base_dir: _Optional[str] = ..., filename: _Optional[str] = ...) -> None: ...
+
+class SmolfileSpec(_message.Message):
+    __slots__ = ("image", "cpus", "memory_mib", "network", "mounts", "env", "setup", "task", "timeouts", "checks", "base_dir")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
+    MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    SETUP_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    BASE_DIR_FIELD_NUMBER: _ClassVar[int]
+    image: str
+    cpus: int
+    memory_mib: int
+    network: NetworkPolicy
+    mounts: _containers.RepeatedCompositeFieldContainer[Mount]
+    env: _containers.ScalarMap[str, str]
+    setup: _containers.RepeatedCompositeFieldContainer[Command]
+    task: Command
+    timeouts: Timeouts
+    checks: _containers.RepeatedCompositeFieldContainer[Check]
+    base_dir: str
+    def __init__(self, image: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., env: _Optional[_Mapping[str, str]] = ..., setup: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., task: _Optional[_Union[Command, _Mapping]] = ..., timeouts: _Optional[_Union[Timeouts, _Mapping]] = ..., checks: _Optional[_Iterable[_Union[Check, _Mapping]]] = ..., base_dir: _Optional[str] = ...) -> None: ...
+
+class NetworkPolicy(_message.Message):
+    __slots__ = ("allow",)
+    ALLOW_FIELD_NUMBER: _ClassVar[int]
+    allow: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, allow: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Mount(_message.Message):
+    __slots__ = ("host_path", "guest_path")
+    HOST_PATH_FIELD_NUMBER: _ClassVar[int]
+    GUEST_PATH_FIELD_NUMBER: _ClassVar[int]
+    host_path: str
+    guest_path: str
+    def __init__(self, host_path: _Optional[str] = ..., guest_path: _Optional[str] = ...) -> None: ...
+
+class Command(_message.Message):
+    __slots__ = ("shell", "argv", "timeout_seconds", "cwd", "user")
+    SHELL_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    shell: str
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    timeout_seconds: float
+    cwd: str
+    user: str
+    def __init__(self, shell: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., timeout_seconds: _Optional[float] = ..., cwd: _Optional[str] = ..., user: _Optional[str] = ...) -> None: ...
+
+class Timeouts(_message.Message):
+    __slots__ = ("boot_seconds", "setup_seconds", "task_seconds", "verify_seconds")
+    BOOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SETUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    boot_seconds: float
+    setup_seconds: float
+    task_seconds: float
+    verify_seconds: float
+    def __init__(self, boot_seconds: _Optional[float] = ..., setup_seconds: _Optional[float] = ..., task_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ...) -> None: ...
+
+class Check(_message.Message):
+    __slots__ = ("name", "timeout_seconds", "command", "file_exists", "file_matches", "http", "reward")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    FILE_EXISTS_FIELD_NUMBER: _ClassVar[int]
+    FILE_MATCHES_FIELD_NUMBER: _ClassVar[int]
+    HTTP_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    timeout_seconds: float
+    command: CommandCheck
+    file_exists: FileExistsCheck
+    file_matches: FileMatchesCheck
+    http: HttpCheck
+    reward: RewardCheck
+    def __init__(self, name: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., command: _Optional[_Union[CommandCheck, _Mapping]] = ..., file_exists: _Optional[_Union[FileExistsCheck, _Mapping]] = ..., file_matches: _Optional[_Union[FileMatchesCheck, _Mapping]] = ..., http: _Optional[_Union[HttpCheck, _Mapping]] = ..., reward: _Optional[_Union[RewardCheck, _Mapping]] = ...) -> None: ...
+
+class CommandCheck(_message.Message):
+    __slots__ = ("shell", "argv", "expect_exit", "cwd", "user")
+    SHELL_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_EXIT_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    shell: str
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    expect_exit: int
+    cwd: str
+    user: str
+    def __init__(self, shell: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., expect_exit: _Optional[int] = ..., cwd: _Optional[str] = ..., user: _Optional[str] = ...) -> None: ...
+
+class FileExistsCheck(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class FileMatchesCheck(_message.Message):
+    __slots__ = ("path", "content", "regex", "sha256")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    content: str
+    regex: str
+    sha256: str
+    def __init__(self, path: _Optional[str] = ..., content: _Optional[str] = ..., regex: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class HttpCheck(_message.Message):
+    __slots__ = ("url", "expect_status", "contains")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_STATUS_FIELD_NUMBER: _ClassVar[int]
+    CONTAINS_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    expect_status: int
+    contains: str
+    def __init__(self, url: _Optional[str] = ..., expect_status: _Optional[int] = ..., contains: _Optional[str] = ...) -> None: ...
+
+class RewardCheck(_message.Message):
+    __slots__ = ("path", "threshold")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    threshold: float
+    def __init__(self, path: _Optional[str] = ..., threshold: _Optional[float] = ...) -> None: ...
+
+class Evidence(_message.Message):
+    __slots__ = ("exit_code", "output_tail", "duration_ms", "detail", "timed_out")
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TAIL_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    exit_code: int
+    output_tail: str
+    duration_ms: int
+    detail: str
+    timed_out: bool
+    def __init__(self, exit_code: _Optional[int] = ..., output_tail: _Optional[str] = ..., duration_ms: _Optional[int] = ..., detail: _Optional[str] = ..., timed_out: _Optional[bool] = ...) -> None: ...
+
+class CheckResult(_message.Message):
+    __slots__ = ("name", "kind", "passed", "evidence")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    passed: bool
+    evidence: Evidence
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., passed: _Optional[bool] = ..., evidence: _Optional[_Union[Evidence, _Mapping]] = ...) -> None: ...
+
+class VerifyResult(_message.Message):
+    __slots__ = ("passed", "checks", "image_digest", "smolfile_digest", "duration_ms")
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SMOLFILE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    passed: bool
+    checks: _containers.RepeatedCompositeFieldContainer[CheckResult]
+    image_digest: str
+    smolfile_digest: str
+    duration_ms: int
+    def __init__(self, passed: _Optional[bool] = ..., checks: _Optional[_Iterable[_Union[CheckResult, _Mapping]]] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., duration_ms: _Optional[int] = ...) -> None: ...
+
+class CreateMachineRequest(_message.Message):
+    __slots__ = ("name", "smolfile")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SMOLFILE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    smolfile: Smolfile
+    def __init__(self, name: _Optional[str] = ..., smolfile: _Optional[_Union[Smolfile, _Mapping]] = ...) -> None: ...
+
+class CreateMachineResponse(_message.Message):
+    __slots__ = ("machine",)
+    MACHINE_FIELD_NUMBER: _ClassVar[int]
+    machine: Machine
+    def __init__(self, machine: _Optional[_Union[Machine, _Mapping]] = ...) -> None: ...
+
+class GetMachineRequest(_message.Message):
+    __slots__ = ("machine_id",)
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    machine_id: str
+    def __init__(self, machine_id: _Optional[str] = ...) -> None: ...
+
+class GetMachineResponse(_message.Message):
+    __slots__ = ("machine",)
+    MACHINE_FIELD_NUMBER: _ClassVar[int]
+    machine: Machine
+    def __init__(self, machine: _Optional[_Union[Machine, _Mapping]] = ...) -> None: ...
+
+class ListMachinesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListMachinesResponse(_message.Message):
+    __slots__ = ("machines",)
+    MACHINES_FIELD_NUMBER: _ClassVar[int]
+    machines: _containers.RepeatedCompositeFieldContainer[Machine]
+    def __init__(self, machines: _Optional[_Iterable[_Union[Machine, _Mapping]]] = ...) -> None: ...
+
+class ExecRequest(_message.Message):
+    __slots__ = ("machine_id", "argv", "env", "cwd", "user", "stdin", "timeout_seconds")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    machine_id: str
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    cwd: str
+    user: str
+    stdin: bytes
+    timeout_seconds: float
+    def __init__(self, machine_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., user: _Optional[str] = ..., stdin: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class ExecResponse(_message.Message):
+    __slots__ = ("stdout", "stderr", "exit")
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    EXIT_FIELD_NUMBER: _ClassVar[int]
+    stdout: bytes
+    stderr: bytes
+    exit: ExecExit
+    def __init__(self, stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[ExecExit, _Mapping]] = ...) -> None: ...
+
+class ExecExit(_message.Message):
+    __slots__ = ("exit_code", "signal", "timed_out", "duration_ms")
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    exit_code: int
+    signal: int
+    timed_out: bool
+    duration_ms: int
+    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., duration_ms: _Optional[int] = ...) -> None: ...
+
+class CopyInRequest(_message.Message):
+    __slots__ = ("machine_id", "path", "content", "format", "mode", "mkdirs")
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MKDIRS_FIELD_NUMBER: _ClassVar[int]
+    machine_id: str
+    path: str
+    content: bytes
+    format: CopyFormat
+    mode: int
+    mkdirs: bool
+    def __init__(self, machine_id: _Optional[str] = ..., path: _Optional[str] = ..., content: _Optional[bytes] = ..., format: _Optional[_Union[CopyFormat, str]] = ..., mode: _Optional[int] = ..., mkdirs: _Optional[bool] = ...) -> None: ...
+
+class CopyInResponse(_message.Message):
+    __slots__ = ("size_bytes",)
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    size_bytes: int
+    def __init__(self, size_bytes: _Optional[int] = ...) -> None: ...
+
+class CopyOutRequest(_message.Message):
+    __slots__ = ("machine_id", "path", "format", "max_size_bytes")
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    MAX_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    machine_id: str
+    path: str
+    format: CopyFormat
+    max_size_bytes: int
+    def __init__(self, machine_id: _Optional[str] = ..., path: _Optional[str] = ..., format: _Optional[_Union[CopyFormat, str]] = ..., max_size_bytes: _Optional[int] = ...) -> None: ...
+
+class CopyOutResponse(_message.Message):
+    __slots__ = ("content", "size_bytes")
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    content: bytes
+    size_bytes: int
+    def __init__(self, content: _Optional[bytes] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("machine_id", "checks")
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    machine_id: str
+    checks: _containers.RepeatedCompositeFieldContainer[Check]
+    def __init__(self, machine_id: _Optional[str] = ..., checks: _Optional[_Iterable[_Union[Check, _Mapping]]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: VerifyResult
+    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ...) -> None: ...
+
+class DestroyMachineRequest(_message.Message):
+    __slots__ = ("machine_id",)
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    machine_id: str
+    def __init__(self, machine_id: _Optional[str] = ...) -> None: ...
+
+class DestroyMachineResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunRequest(_message.Message):
+    __slots__ = ("smolfile", "name")
+    SMOLFILE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    smolfile: Smolfile
+    name: str
+    def __init__(self, smolfile: _Optional[_Union[Smolfile, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("name", "ok", "evidence")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ok: bool
+    evidence: Evidence
+    def __init__(self, name: _Optional[str] = ..., ok: _Optional[bool] = ..., evidence: _Optional[_Union[Evidence, _Mapping]] = ...) -> None: ...
+
+class RunResponse(_message.Message):
+    __slots__ = ("result", "steps", "machine_id")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    result: VerifyResult
+    steps: _containers.RepeatedCompositeFieldContainer[StepResult]
+    machine_id: str
+    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("machine_id", "name")
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    machine_id: str
+    name: str
+    def __init__(self, machine_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ForkResponse(_message.Message):
+    __slots__ = ("machine",)
+    MACHINE_FIELD_NUMBER: _ClassVar[int]
+    machine: Machine
+    def __init__(self, machine: _Optional[_Union[Machine, _Mapping]] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("machine_id", "tag")
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    machine_id: str
+    tag: str
+    def __init__(self, machine_id: _Optional[str] = ..., tag: _Optional[str] = ...) -> None: ...
+
+class SnapshotResponse(_message.Message):
+    __slots__ = ("snapshot_id", "created_at")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    created_at: _timestamp_pb2.Timestamp
+    def __init__(self, snapshot_id: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

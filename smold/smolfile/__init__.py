@@ -1,0 +1,60 @@
+"""Smolfile: the TOML declaration of a task's machine and verifier, parsed into frozen dataclasses."""
+
+from .digest import canonical_bytes, digest, to_mapping
+from .errors import SmolfileError, render_key
+from .model import (
+    CHECK_TYPES,
+    DEFAULT_REWARD_PATHS,
+    AllowRule,
+    Check,
+    CheckBase,
+    Command,
+    CommandCheck,
+    FileExistsCheck,
+    FileMatchesCheck,
+    HttpCheck,
+    Limits,
+    Mount,
+    NetworkPolicy,
+    RewardCheck,
+    Smolfile,
+    Timeouts,
+)
+from .parse import (
+    DEFAULT_FILENAME,
+    check_mount_sources,
+    default_check_name,
+    load_smolfile,
+    parse_mapping,
+    parse_smolfile,
+)
+
+__all__ = [
+    "CHECK_TYPES",
+    "DEFAULT_FILENAME",
+    "DEFAULT_REWARD_PATHS",
+    "AllowRule",
+    "Check",
+    "CheckBase",
+    "Command",
+    "CommandCheck",
+    "FileExistsCheck",
+    "FileMatchesCheck",
+    "HttpCheck",
+    "Limits",
+    "Mount",
+    "NetworkPolicy",
+    "RewardCheck",
+    "Smolfile",
+    "SmolfileError",
+    "Timeouts",
+    "canonical_bytes",
+    "check_mount_sources",
+    "default_check_name",
+    "digest",
+    "load_smolfile",
+    "parse_mapping",
+    "parse_smolfile",
+    "render_key",
+    "to_mapping",
+]

@@ -1,0 +1,118 @@
+"""The default Linux guest end to end: boot, agent ready, exec, files, timeouts, poweroff with nothing left over."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from microvm import Microvm
+
+from smold.agent import AgentClient, AgentError
+from smold.images.artifacts import Artifacts, default_artifacts
+
+pytestmark = [pytest.mark.kvm, pytest.mark.linux]
+
+
+@pytest.fixture(scope="module")
+def artifacts() -> Artifacts:
+    # Built by .ci/run beforehand (cached under ~/.cache/smol); building here is the slow fallback.
+    return default_artifacts(build=True)
+
+
+@pytest.fixture(scope="module")
+def vm(artifacts: Artifacts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Microvm]:
+    logs = tmp_path_factory.mktemp("vm")
+    # No --state-dir: the VMM makes a private temp dir and must remove it at exit (checked below).
+    m = Microvm(artifacts, cpus=2, memory_mib=512, console_log=logs / "console.log")
+    m.start()
+    yield m
+    m.kill()
+
+
+def _children(pid: int) -> list[int]:
+    """Every live descendant of ``pid``, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        frontier += kids
+    return out
+
+
+def test_ready_reports_boot(vm: Microvm) -> None:
+    assert vm.ready["cpus"] == 2
+    assert vm.ready["cpu_template"] in ("host", "compat")
+    assert vm.ready["boot_seconds"] > 0
+    assert Path(vm.vsock_path).exists()
+    assert _children(vm.pid) == []          # the VMM is one process: vCPUs are threads, no helpers
+
+
+def test_exec_stdout_stderr_exit_code(vm: Microvm) -> None:
+    r = vm.run(["sh", "-c", "echo hi; echo err >&2; exit 3"])
+    assert (r.stdout, r.stderr, r.exit_code, r.signal, r.timed_out) == (b"hi\n", b"err\n", 3, None, False)
+
+
+def test_guest_sees_all_vcpus_and_its_root(vm: Microvm) -> None:
+    r = vm.run(["sh", "-c", "nproc; hostname; python3 -c 'print(6*7)'; cat /proc/mounts"])
+    lines = r.stdout.decode().splitlines()
+    assert r.exit_code == 0, r.stderr
+    assert lines[:3] == ["2", "smol", "42"]
+    assert any(" / overlay " in ln for ln in lines), lines
+
+
+def test_binary_file_round_trip_5mb(vm: Microvm) -> None:
+    data = os.urandom(5 * 1024 * 1024)
+
+    async def go(c: AgentClient) -> tuple[int, bytes, bytes]:
+        size = await c.write_file("/root/blob.bin", data)
+        back = await c.read_file("/root/blob.bin", 8 * 1024 * 1024)
+        digest = await c.run(["sha256sum", "/root/blob.bin"])
+        return size, back, digest.stdout
+
+    size, back, digest = vm.with_agent(go)
+    assert size == len(data)
+    assert back == data
+    assert digest.split()[0].decode() == hashlib.sha256(data).hexdigest()
+
+
+def test_timeout_kills_command_and_its_children(vm: Microvm) -> None:
+    # The child writes its pid, then both sleep; the agent must kill the whole process group.
+    r = vm.run(["sh", "-c", "sleep 300 & echo $! > /tmp/child.pid; sleep 300"], timeout=2)
+    assert r.timed_out
+    assert r.exit_code is None and r.signal is not None
+    check = vm.run(["sh", "-c", "pid=$(cat /tmp/child.pid); kill -0 $pid 2>/dev/null && echo alive || echo gone"])
+    assert check.stdout == b"gone\n"
+
+
+def test_poweroff_ends_vmm_cleanly(vm: Microvm) -> None:
+    state_dir = Path(vm.vsock_path).parent
+    assert state_dir.is_dir()
+    try:
+        vm.run(["sh", "-c", "poweroff"], timeout=60)
+    except AgentError:
+        pass  # the guest may go down before the exit status makes it out
+    assert vm.wait(timeout=120) == 0, vm.stderr.decode(errors="replace")
+    assert not state_dir.exists(), sorted(p.name for p in state_dir.iterdir())
+    assert not Path(vm.vsock_path).exists()
+    # no process of the VM left (the VMM was a session leader: nothing of its group survives)
+    leftovers = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == vm.pid:
+                    leftovers.append(int(entry))
+            except ProcessLookupError:
+                continue
+    assert leftovers == []
