@@ -8,6 +8,7 @@
 # that connection.
 
 import _socket
+import _struct
 import errno
 import os
 import select
@@ -43,6 +44,96 @@ class RequestError(Exception):
         self.code = code
         self.message = message
         self.errno = errno_value
+
+
+def set_realtime(spec: "dict[str, Any]") -> "dict[str, Any]":
+    """SET_TIME: step CLOCK_REALTIME (a restored snapshot's wall clock stood still while it was on disk).
+
+    CLOCK_MONOTONIC is not touched. Needs CAP_SYS_TIME (the agent runs as root, PID 1 in the guest).
+    """
+    ns = spec.get("realtime_ns")
+    if not isinstance(ns, int) or isinstance(ns, bool) or ns <= 0:
+        raise RequestError(P.ErrorCode.EINVAL, "SET_TIME needs a positive integer 'realtime_ns'")
+    before = time.time_ns()
+    try:
+        time.clock_settime_ns(time.CLOCK_REALTIME, ns)
+    except OSError as exc:
+        raise os_error(exc, "clock_settime(CLOCK_REALTIME)") from None
+    except OverflowError:
+        raise RequestError(P.ErrorCode.EINVAL, f"realtime_ns {ns} is out of range") from None
+    return {"previous_ns": before, "realtime_ns": time.time_ns()}
+
+
+HOSTNAME_MAX = 64
+ENTROPY_MAX = 512  # bytes
+RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2]) (include/uapi/linux/random.h)
+RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07): reseed the crng from the input pool now
+
+
+def _hostname_ok(name: str) -> bool:
+    if not 0 < len(name) <= HOSTNAME_MAX or name[0] in "-." or name[-1] in "-.":
+        return False
+    return all(c.isascii() and (c.isalnum() or c in "-.") for c in name)
+
+
+def _write_file(path: str, data: bytes, mode: int) -> None:
+    """Atomic replace (temporary file + rename)."""
+    tmp = f"{path}.smol-tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def set_identity(spec: "dict[str, Any]") -> "dict[str, Any]":
+    """IDENTITY: give a restored copy of a VM its own hostname, machine-id and entropy (a fork child).
+
+    hostname: sethostname(2), /etc/hostname and the 127.0.1.1 line of /etc/hosts. machine_id: 32 hex
+    digits to /etc/machine-id. entropy: hex bytes from the host mixed into the input pool and credited
+    (RNDADDENTROPY), then RNDRESEEDCRNG, so the copies' getrandom() streams diverge at once instead of
+    at the next periodic reseed. Everything is validated before anything is changed.
+    """
+    hostname, machine_id, entropy = spec.get("hostname"), spec.get("machine_id"), spec.get("entropy")
+    if hostname is not None and (not isinstance(hostname, str) or not _hostname_ok(hostname)):
+        raise RequestError(P.ErrorCode.EINVAL, f"bad hostname {hostname!r}")
+    if machine_id is not None and (
+        not isinstance(machine_id, str) or len(machine_id) != 32 or any(c not in "0123456789abcdef" for c in machine_id)
+    ):
+        raise RequestError(P.ErrorCode.EINVAL, "machine_id must be 32 lowercase hex digits")
+    seed = b""
+    if entropy is not None:
+        try:
+            seed = bytes.fromhex(entropy) if isinstance(entropy, str) else b""
+        except ValueError:
+            seed = b""
+        if not 0 < len(seed) <= ENTROPY_MAX:
+            raise RequestError(P.ErrorCode.EINVAL, f"entropy must be 1..{ENTROPY_MAX} bytes as hex")
+    result: dict[str, Any] = {}
+    try:
+        if hostname is not None:
+            _socket.sethostname(hostname)
+            _write_file("/etc/hostname", hostname.encode() + b"\n", 0o644)
+            _write_file("/etc/hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{hostname}\n".encode(), 0o644)
+            result["hostname"] = hostname
+        if machine_id is not None:
+            _write_file("/etc/machine-id", machine_id.encode() + b"\n", 0o444)
+            result["machine_id"] = machine_id
+        if seed:
+            import fcntl  # only here: not on the boot path
+
+            fd = os.open("/dev/urandom", os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                fcntl.ioctl(fd, RNDADDENTROPY, _struct.pack("ii", len(seed) * 8, len(seed)) + seed)
+                fcntl.ioctl(fd, RNDRESEEDCRNG)
+            finally:
+                os.close(fd)
+            result["reseeded"] = True
+    except OSError as exc:
+        raise os_error(exc, "IDENTITY") from None
+    return result
 
 
 def os_error(exc: OSError, what: str) -> RequestError:
@@ -636,6 +727,10 @@ class Connection:
         elif mtype == T.POWEROFF:
             self.send_json(T.RESULT, rid, {"pid1": self.agent.pid1})
             self.agent.request_stop("poweroff")
+        elif mtype == T.SET_TIME:
+            self.send_json(T.RESULT, rid, set_realtime(spec))
+        elif mtype == T.IDENTITY:
+            self.send_json(T.RESULT, rid, set_identity(spec))
         elif mtype == T.EXEC:
             self.requests[rid] = ExecRequest(self, rid, spec)
         elif mtype == T.READ_FILE:
@@ -705,7 +800,8 @@ class Connection:
 
 
 _REQUEST_TYPES = frozenset(
-    {P.MsgType.EXEC, P.MsgType.WRITE_FILE, P.MsgType.READ_FILE, P.MsgType.HEALTH, P.MsgType.POWEROFF}
+    {P.MsgType.EXEC, P.MsgType.WRITE_FILE, P.MsgType.READ_FILE, P.MsgType.HEALTH, P.MsgType.POWEROFF,
+     P.MsgType.SET_TIME, P.MsgType.IDENTITY}
 )
 
 

@@ -332,6 +332,27 @@ class AgentClient:
         finally:
             self._release(rid)
 
+    async def set_time(self, realtime_ns: int | None = None) -> dict[str, Any]:
+        """Step the guest's CLOCK_REALTIME to ``realtime_ns`` (default: the host's clock, read now).
+
+        Returns the agent's RESULT: ``previous_ns`` (the guest clock before) and ``realtime_ns`` (after).
+        """
+        if realtime_ns is None:
+            realtime_ns = time.time_ns()
+        return await self._call(T.SET_TIME, {"realtime_ns": int(realtime_ns)})
+
+    async def set_identity(self, *, hostname: str | None = None, machine_id: str | None = None,
+                           entropy: bytes | None = None) -> dict[str, Any]:
+        """Give a restored copy its own hostname, /etc/machine-id and reseeded entropy (IDENTITY)."""
+        spec: dict[str, Any] = {}
+        if hostname is not None:
+            spec["hostname"] = hostname
+        if machine_id is not None:
+            spec["machine_id"] = machine_id
+        if entropy is not None:
+            spec["entropy"] = entropy.hex()
+        return await self._call(T.IDENTITY, spec)
+
     async def poweroff(self) -> None:
         """Ask the agent to power the guest off (sync + reboot syscall; in non-pid1 mode the agent exits)."""
         try:

@@ -29,7 +29,7 @@ from smold.smolfile import (
 from smold.smolfile.errors import KeyPath
 from smold.verifier import CheckResult, Evidence, VerifyResult
 
-from .machine import MachineInfo, MachineState
+from .machine import MachineInfo, MachineState, RunResult, StepResult
 from .v1 import smol_pb2 as pb
 
 INLINE_SPEC = "<inline spec>"
@@ -77,6 +77,7 @@ def machine_to_proto(m: MachineInfo) -> pb.Machine:
         smolfile_digest=m.smolfile_digest,
         failure_reason=m.failure_reason,
         console_tail=m.console_tail,
+        vmm_pid=m.vmm_pid,
     )
     msg.created_at.FromDatetime(m.created_at)
     return msg
@@ -97,6 +98,7 @@ def machine_from_proto(msg: pb.Machine) -> MachineInfo:
         smolfile_digest=msg.smolfile_digest,
         failure_reason=msg.failure_reason,
         console_tail=msg.console_tail,
+        vmm_pid=msg.vmm_pid,
     )
 
 
@@ -144,6 +146,34 @@ def verify_result_from_proto(msg: pb.VerifyResult) -> VerifyResult:
         checks=tuple(check_result_from_proto(c) for c in msg.checks),
         image_digest=msg.image_digest,
         smolfile_digest=msg.smolfile_digest,
+        duration_ms=msg.duration_ms,
+    )
+
+
+def step_result_to_proto(r: StepResult) -> pb.StepResult:
+    return pb.StepResult(name=r.name, ok=r.ok, evidence=evidence_to_proto(r.evidence))
+
+
+def step_result_from_proto(msg: pb.StepResult) -> StepResult:
+    return StepResult(msg.name, msg.ok, evidence_from_proto(msg.evidence))
+
+
+def run_result_to_proto(r: RunResult) -> pb.RunResponse:
+    return pb.RunResponse(
+        result=verify_result_to_proto(r.result),
+        steps=[step_result_to_proto(s) for s in r.steps],
+        machine_id=r.machine_id,
+        error=r.error,
+        duration_ms=r.duration_ms,
+    )
+
+
+def run_result_from_proto(msg: pb.RunResponse) -> RunResult:
+    return RunResult(
+        result=verify_result_from_proto(msg.result),
+        steps=tuple(step_result_from_proto(s) for s in msg.steps),
+        machine_id=msg.machine_id,
+        error=msg.error,
         duration_ms=msg.duration_ms,
     )
 
@@ -388,10 +418,14 @@ __all__ = [
     "machine_state_from_proto",
     "machine_state_to_proto",
     "machine_to_proto",
+    "run_result_from_proto",
+    "run_result_to_proto",
     "smolfile_from_proto",
     "smolfile_from_spec_proto",
     "smolfile_to_spec_proto",
     "spec_mapping",
+    "step_result_from_proto",
+    "step_result_to_proto",
     "verify_result_from_proto",
     "verify_result_to_proto",
 ]

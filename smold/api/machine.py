@@ -1,10 +1,12 @@
-"""What the API reports about a machine: its state enum and a frozen snapshot of its public fields."""
+"""What the API reports about machines and runs: state enum, machine snapshot, Run steps and result."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 from datetime import datetime
+
+from smold.verifier import Evidence, VerifyResult
 
 
 class MachineState(enum.Enum):
@@ -33,3 +35,24 @@ class MachineInfo:
     smolfile_digest: str = ""
     failure_reason: str = ""
     console_tail: str = ""
+    vmm_pid: int = 0  # the VMM process on the host; 0 when it is gone
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step of creating or running a machine: "boot", "mount[i]", "setup[i]" or "task" (proto: StepResult)."""
+
+    name: str
+    ok: bool
+    evidence: Evidence
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What Run returns: the verifier's result and every step's evidence; error when it stopped before verify."""
+
+    result: VerifyResult
+    steps: tuple[StepResult, ...]
+    machine_id: str
+    error: str = ""
+    duration_ms: int = 0

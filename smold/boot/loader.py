@@ -1,4 +1,4 @@
-"""Kernel loaders: uncompressed ELF vmlinux and bzImage (Linux boot protocol, Documentation/x86/boot.rst)."""
+"""Kernel loaders: ELF vmlinux and bzImage (Linux boot protocol, Documentation/arch/x86/boot.rst)."""
 
 from __future__ import annotations
 
@@ -24,21 +24,35 @@ ELF_MAGIC = b"\x7fELF"
 PT_LOAD = 1
 # boot.rst "The real-mode kernel header": offsets inside the image / boot_params.
 HDR_OFFSET = 0x1F1
+JUMP_OFFSET = 0x201           # second byte of the 2-byte jump at 0x200; the header ends at 0x202 + it
 HDR_MAGIC_OFFSET = 0x202
+HDR_MAGIC = b"HdrS"
+VERSION_OFFSET = 0x206
+XLOADFLAGS_OFFSET = 0x236     # protocol 2.12+
+PREF_ADDRESS_OFFSET = 0x258   # protocol 2.10+
+INIT_SIZE_OFFSET = 0x260      # protocol 2.10+
+HDR_MIN_END = INIT_SIZE_OFFSET + 4
+HDR_MAX_END = 0x280           # never copy more than this into boot_params (zero-page.rst)
 XLF_KERNEL_64 = 1 << 0
-MIN_BOOT_PROTOCOL = 0x0206
+# The 64-bit entry is only discoverable through xloadflags.XLF_KERNEL_64, which boot.rst adds in 2.12
+# (pref_address and init_size, also read below, come in 2.10).
+MIN_BOOT_PROTOCOL = 0x020C
+SECTOR = 512
+DEFAULT_SETUP_SECTS = 4       # boot.rst: "If this field is 0, the real value is 4."
 
 
 def load_kernel(mem: GuestMemory, image: bytes) -> LoadedKernel:
     if image[:4] == ELF_MAGIC:
         return load_elf(mem, image)
-    if len(image) > HDR_MAGIC_OFFSET + 4 and image[HDR_MAGIC_OFFSET:HDR_MAGIC_OFFSET + 4] == b"HdrS":
+    if image[HDR_MAGIC_OFFSET:HDR_MAGIC_OFFSET + 4] == HDR_MAGIC:
         return load_bzimage(mem, image)
     raise KernelLoadError("kernel is neither an ELF vmlinux nor a bzImage (no ELF magic, no HdrS signature)")
 
 
 def load_elf(mem: GuestMemory, image: bytes) -> LoadedKernel:
     """Copy PT_LOAD segments to their physical addresses; the entry is e_entry (phys_startup_64)."""
+    if image[:4] != ELF_MAGIC:
+        raise KernelLoadError("kernel is not an ELF file (bad magic)")
     if len(image) < 64:
         raise KernelLoadError("ELF header truncated")
     ei_class, ei_data = image[4], image[5]
@@ -77,17 +91,34 @@ def load_elf(mem: GuestMemory, image: bytes) -> LoadedKernel:
 
 
 def load_bzimage(mem: GuestMemory, image: bytes) -> LoadedKernel:
-    """Load the protected-mode part at its preferred address; 64-bit entry is load address + 0x200."""
-    version = struct.unpack_from("<H", image, 0x206)[0]
+    """Load the protected-mode part at its preferred address; 64-bit entry is load address + 0x200.
+
+    boot.rst "The real-mode kernel header" and "64-bit boot protocol". Every field is bounds checked
+    before it is read: a truncated or inconsistent image raises :class:`KernelLoadError`.
+    """
+    if image[HDR_MAGIC_OFFSET:HDR_MAGIC_OFFSET + 4] != HDR_MAGIC:
+        raise KernelLoadError("kernel is not a bzImage (no HdrS signature at 0x202)")
+    if len(image) < VERSION_OFFSET + 2:
+        raise KernelLoadError("bzImage truncated before its boot protocol version")
+    version = struct.unpack_from("<H", image, VERSION_OFFSET)[0]
     if version < MIN_BOOT_PROTOCOL:
-        raise KernelLoadError(f"boot protocol {version:#x} is older than 2.06")
-    setup_sects = image[HDR_OFFSET] or 4
-    xloadflags = struct.unpack_from("<H", image, 0x236)[0]
+        raise KernelLoadError(f"boot protocol {version:#x} is older than 2.12: the 64-bit entry needs "
+                              "xloadflags (2.12), pref_address and init_size (2.10)")
+    hdr_end = HDR_MAGIC_OFFSET + image[JUMP_OFFSET]   # boot.rst: the header ends at 0x202 + byte 0x201
+    if hdr_end < HDR_MIN_END:
+        raise KernelLoadError(f"bzImage setup header ends at {hdr_end:#x}, before init_size at "
+                              f"{INIT_SIZE_OFFSET:#x}")
+    setup_sects = image[HDR_OFFSET] or DEFAULT_SETUP_SECTS
+    setup_end = (setup_sects + 1) * SECTOR            # boot sector + setup sectors: >= 1024 > any hdr_end
+    if len(image) < setup_end:
+        raise KernelLoadError(f"bzImage truncated: {len(image)} bytes, shorter than its "
+                              f"{setup_sects} setup sectors ({setup_end} bytes)")
+    xloadflags = struct.unpack_from("<H", image, XLOADFLAGS_OFFSET)[0]
     if not xloadflags & XLF_KERNEL_64:
         raise KernelLoadError("bzImage has no 64-bit entry point (XLF_KERNEL_64 unset)")
-    pref_address = struct.unpack_from("<Q", image, 0x258)[0] or KERNEL_DEFAULT_LOAD
-    init_size = struct.unpack_from("<I", image, 0x260)[0]
-    payload = image[(setup_sects + 1) * 512:]
+    pref_address = struct.unpack_from("<Q", image, PREF_ADDRESS_OFFSET)[0] or KERNEL_DEFAULT_LOAD
+    init_size = struct.unpack_from("<I", image, INIT_SIZE_OFFSET)[0]
+    payload = image[setup_end:]
     if not payload:
         raise KernelLoadError("bzImage has no protected-mode kernel")
     try:
@@ -95,6 +126,5 @@ def load_bzimage(mem: GuestMemory, image: bytes) -> LoadedKernel:
         mem.check_range(pref_address, max(init_size, len(payload)))
     except GuestMemoryError as e:
         raise KernelLoadError(f"bzImage does not fit in guest RAM: {e}") from e
-    hdr_end = 0x202 + image[0x201] + 2  # the setup header runs to 0x202 + the jump's offset byte
     return LoadedKernel(entry=pref_address + 0x200, end=pref_address + max(init_size, len(payload)),
-                        setup_header=image[HDR_OFFSET:min(hdr_end, 0x280)])
+                        setup_header=image[HDR_OFFSET:min(hdr_end, HDR_MAX_END)])

@@ -129,7 +129,11 @@ class Serial:
                 self.dll = value
                 return
             if self.mcr & MCR_LOOP:
-                self.rx.append(value)
+                # The looped-back byte lands in the same capped RX FIFO as host input; when it is full
+                # the byte is lost (an overrun, PC16550D "FIFO Mode Operation"), so a guest spinning in
+                # loopback cannot grow host memory or the snapshot without bound.
+                if len(self.rx) < RX_FIFO_CAP:
+                    self.rx.append(value)
             else:
                 self.sink(bytes([value]))
             self.thre_pending = True

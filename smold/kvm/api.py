@@ -385,6 +385,13 @@ class Vcpu:
     def get_tsc_khz(self) -> int:
         return ioctl(self.fd, KVM_GET_TSC_KHZ, name="KVM_GET_TSC_KHZ")
 
+    def set_tsc_khz(self, khz: int) -> None:
+        ioctl(self.fd, KVM_SET_TSC_KHZ, khz, name="KVM_SET_TSC_KHZ")
+
+    def kvmclock_ctrl(self) -> None:
+        """KVM_KVMCLOCK_CTRL: flag the guest's kvmclock page PVCLOCK_GUEST_STOPPED (host paused it)."""
+        ioctl(self.fd, KVM_KVMCLOCK_CTRL, name="KVM_KVMCLOCK_CTRL")
+
     def request_exit(self) -> None:
         """Ask the next (or current, with a signal) KVM_RUN to return at once."""
         self.run_struct.immediate_exit = 1

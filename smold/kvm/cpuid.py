@@ -114,13 +114,34 @@ def build_cpuid(supported: list[s.KvmCpuidEntry2], template: CpuTemplate, vcpu_i
 #   smol_cpl0_emulated  the guest kernel's own switch (guest-agent/kernel/patches/0001-*.patch): no
 #                    INT3 self-test, no FWAIT, and user-mode SYSCALL completed from the #PF it
 #                    raises on PVM (docs/pvm-emulator.md)
+# With more than one vCPU also:
+#   nopv             no KVM paravirt features: the guest sees the *host's* hypervisor CPUID leaves,
+#                    and with them a second vCPU hangs during bring-up (docs/pvm-emulator.md)
+#   tsc_early_khz=N  without kvmclock the guest would calibrate the TSC against the emulated PIT,
+#                    which is meaningless at emulation speed; N is the vCPU's KVM_GET_TSC_KHZ
+#   lpj=N            likewise for the secondary CPUs' delay-loop calibration
+# (SMP under PVM's emulator is still unreliable: see docs/pvm-emulator.md.)
 COMPAT_CMDLINE = ("noxsave clearcpuid=141,150,151,158,308,534 nopcid noinvpcid nopku nofsgsbase "
                   "smol_cpl0_emulated")
+COMPAT_SMP_CMDLINE = "nopv"
+HZ = 100   # CONFIG_HZ of the guest kernel (guest-agent/kernel/microvm.config)
 
 
-def template_cmdline(template: CpuTemplate) -> str:
+def template_cmdline(template: CpuTemplate, tsc_khz: int | None = None, cpus: int = 1) -> str:
     """Kernel command-line arguments that complete ``template`` inside the guest."""
-    return COMPAT_CMDLINE if template is CpuTemplate.COMPAT else ""
+    if template is not CpuTemplate.COMPAT:
+        return ""
+    parts = [COMPAT_CMDLINE]
+    if cpus > 1:
+        parts.append(COMPAT_SMP_CMDLINE)
+        if tsc_khz:
+            parts.append(f"tsc_early_khz={tsc_khz} lpj={tsc_khz * 1000 // HZ}")
+    return " ".join(parts)
+
+
+def default_vcpus(pvm: bool) -> int:
+    """2 vCPUs, or 1 on PVM hosts where SMP under the CPL0 emulator is unreliable (docs/pvm-emulator.md)."""
+    return 1 if pvm else 2
 
 
 def resolve_template(name: str, pvm: bool) -> CpuTemplate:

@@ -1,4 +1,5 @@
-"""CLI: ``python -m smold.vmm``: boot one microVM, wait for its agent, optionally run a command, exit."""
+"""CLI: ``python -m smold.vmm``: boot (or restore) one microVM, wait for its agent, optionally run a command
+and snapshot it, exit."""
 
 from __future__ import annotations
 
@@ -8,14 +9,22 @@ _PROCESS_START = time.monotonic()
 
 import argparse  # noqa: E402  (the start time above is taken before any import work)
 import asyncio  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from smold.agent import AgentClient, ExecExit, ExecStderr, ExecStdout  # noqa: E402
-from smold.vmm.machine import DEFAULT_CMDLINE, MachineConfig, MachineError  # noqa: E402
-from smold.vmm.runner import ReadyInfo, Runner  # noqa: E402
+from smold.kvm import is_pvm  # noqa: E402
+from smold.kvm.cpuid import default_vcpus  # noqa: E402
+from smold.snapshot.errors import SnapshotError  # noqa: E402
+from smold.snapshot.state import VmSnapshot  # noqa: E402
+from smold.vmm.control import snapshot_info  # noqa: E402
+from smold.vmm.machine import DEFAULT_CMDLINE, MachineConfig, MachineError, SnapshotResult  # noqa: E402
+from smold.vmm.runner import AfterSnapshot, ReadyInfo, Runner  # noqa: E402
+
+DEFAULT_MEMORY_MIB = 512
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,8 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--initramfs", type=Path, help="newc cpio (default: the built default guest)")
     ap.add_argument("--rootfs", type=Path, help="ext4 root disk image (default: the built default guest)")
     ap.add_argument("--rootfs-rw", action="store_true", help="attach the root disk writable (default: read-only)")
-    ap.add_argument("--cpus", type=int, default=2)
-    ap.add_argument("--memory", type=int, default=512, help="guest RAM in MiB")
+    ap.add_argument("--cpus", type=int, help="vCPUs (default 2, 1 on PVM hosts; a restore takes the snapshot's)")
+    ap.add_argument("--memory", type=int,
+                    help=f"guest RAM in MiB (default {DEFAULT_MEMORY_MIB}; a restore takes the snapshot's)")
     ap.add_argument("--cpu-template", default="auto", help="host | compat | auto (compat on PVM hosts)")
     ap.add_argument("--state-dir", type=Path,
                     help="where vsock.sock, console.log, ready.json, exit.json live (default: a temp dir, "
@@ -38,10 +48,23 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--console", action="store_true", help="also copy the serial console to stderr")
     ap.add_argument("--cmdline", default=DEFAULT_CMDLINE, help="base kernel command line")
     ap.add_argument("--cmdline-extra", default="", help="appended to the kernel command line")
-    ap.add_argument("--hostname", default="smol")
-    ap.add_argument("--cid", type=int, default=3, help="guest vsock CID")
+    ap.add_argument("--hostname", help="guest hostname (default smol; a restore keeps the snapshot's)")
+    ap.add_argument("--cid", type=int, help="guest vsock CID (default 3; a restore keeps the snapshot's)")
     ap.add_argument("--boot-timeout", type=float, default=600.0, help="seconds to wait for agent-ready")
     ap.add_argument("--exec-timeout", type=float, default=0.0, help="timeout for the command (0 = none)")
+    ap.add_argument("--snapshot-on-ready", type=Path, metavar="DIR",
+                    help="once the agent is ready and the command (if any) exited 0, pause the VM and write a "
+                         "snapshot to DIR (docs/snapshot.md); prints 'SNAPSHOT {json}'")
+    ap.add_argument("--after-snapshot", choices=(AfterSnapshot.EXIT, AfterSnapshot.CONTINUE),
+                    default=AfterSnapshot.EXIT,
+                    help="after --snapshot-on-ready: exit at once (default) or resume the guest and go on")
+    ap.add_argument("--restore", type=Path, metavar="DIR",
+                    help="restore the snapshot in DIR instead of booting; READY then has \"restored\": true")
+    ap.add_argument("--new-identity", action="store_true",
+                    help="with --restore: new machine-id, reseeded guest entropy and the --hostname (a fork "
+                         "child)")
+    ap.add_argument("--verify-memory", action="store_true",
+                    help="with --restore: check the memory file against its recorded sha256 first (reads it all)")
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("command", nargs="*", help="command to run in the guest (after --)")
     return ap
@@ -74,11 +97,35 @@ async def _exec_body(runner: Runner, client: AgentClient, argv: list[str], timeo
     return code
 
 
+def _load_snapshot(args: argparse.Namespace) -> VmSnapshot:
+    """Read and check ``--restore``'s snapshot; SystemExit with the reason if it is refused."""
+    from smold.snapshot.store import read_snapshot, verify_memory
+    try:
+        snap = read_snapshot(args.restore)
+        if args.verify_memory:
+            verify_memory(args.restore, snap)
+    except SnapshotError as e:
+        raise SystemExit(f"error: cannot restore {args.restore}: {e}") from None
+    for flag, given, saved in (("--cpus", args.cpus, snap.spec.cpus), ("--memory", args.memory, snap.spec.memory_mib)):
+        if given is not None and given != saved:
+            raise SystemExit(f"error: {flag} {given} differs from the snapshot's {saved}")
+    for flag in ("kernel", "initramfs"):
+        if getattr(args, flag) is not None:
+            raise SystemExit(f"error: --{flag} cannot be combined with --restore")
+    return snap
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    _default_artifacts(args)
+    if args.restore is not None and args.snapshot_on_ready is not None and \
+            args.restore.resolve() == args.snapshot_on_ready.resolve():
+        print("error: --snapshot-on-ready must not overwrite the snapshot being restored", file=sys.stderr)
+        return 1
+    snap = _load_snapshot(args) if args.restore is not None else None
+    if snap is None:
+        _default_artifacts(args)
     own_dir = args.state_dir is None
     state_dir = Path(tempfile.mkdtemp(prefix="smol-vm-")) if own_dir else args.state_dir
     console_stream = None
@@ -87,12 +134,19 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.buffer.write(data)
             sys.stderr.buffer.flush()
     try:
-        config = MachineConfig(
-            kernel=args.kernel, initramfs=args.initramfs, rootfs=args.rootfs,
-            rootfs_read_only=not args.rootfs_rw, cpus=args.cpus, memory_mib=args.memory,
-            cpu_template=args.cpu_template, state_dir=state_dir, cmdline=args.cmdline,
-            cmdline_extra=args.cmdline_extra, hostname=args.hostname, vsock_cid=args.cid,
-            console_log=args.console_log, console_stream=console_stream)
+        if snap is not None:
+            config = MachineConfig.for_restore(args.restore, state_dir, snap, rootfs=args.rootfs, vsock_cid=args.cid,
+                                               hostname=args.hostname, console_log=args.console_log,
+                                               console_stream=console_stream)
+        else:
+            config = MachineConfig(
+                kernel=args.kernel, initramfs=args.initramfs, rootfs=args.rootfs,
+                rootfs_read_only=not args.rootfs_rw, cpus=args.cpus or default_vcpus(is_pvm()),
+                memory_mib=args.memory or DEFAULT_MEMORY_MIB, cpu_template=args.cpu_template,
+                state_dir=state_dir, cmdline=args.cmdline, cmdline_extra=args.cmdline_extra,
+                hostname=args.hostname if args.hostname is not None else "smol",
+                vsock_cid=args.cid if args.cid is not None else 3,
+                console_log=args.console_log, console_stream=console_stream)
         config.validate()
     except MachineError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -104,8 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     def on_ready(info: ReadyInfo) -> None:
         print(f"READY {info.to_json()}", flush=True)
 
+    def on_snapshot(result: SnapshotResult) -> None:
+        print(f"SNAPSHOT {json.dumps(snapshot_info(result), sort_keys=True)}", flush=True)
+
     runner = Runner(config, boot_timeout=args.boot_timeout, process_start=_PROCESS_START,
-                    on_ready=on_ready, remove_state_dir=own_dir)
+                    on_ready=on_ready, remove_state_dir=own_dir, snapshot_dir=args.snapshot_on_ready,
+                    after_snapshot=args.after_snapshot, on_snapshot=on_snapshot, restore_state=snap,
+                    new_identity=args.new_identity)
     body = None
     if args.command:
         def body(r: Runner, c: AgentClient) -> object:

@@ -1,9 +1,10 @@
-"""A microVM: guest memory, KVM objects, devices and vCPU threads, driven from one asyncio loop."""
+"""A microVM: guest memory, KVM objects, devices and vCPU threads, driven from one asyncio loop; snapshots."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -45,10 +46,26 @@ from smold.devices.virtio.device import VirtioDevice
 from smold.devices.virtio.mmio import MmioTransport, kernel_cmdline_arg
 from smold.devices.vsock.backend import VsockBackend
 from smold.devices.vsock.device import Vsock
-from smold.kvm import Kvm, Vcpu, is_pvm
+from smold.kvm import Kvm, KvmError, Vcpu, is_pvm
 from smold.kvm.api import IoEventFdSpec
 from smold.kvm.cpuid import CpuTemplate, build_cpuid, resolve_template, template_cmdline
-from smold.memory import GuestMemory
+from smold.kvm.structs import KvmCpuidEntry2
+from smold.memory import GuestMemory, GuestMemoryError
+from smold.snapshot import kvmstate
+from smold.snapshot.errors import SnapshotCompatError, SnapshotError
+from smold.snapshot.state import (
+    STATE_KIND,
+    CmosState,
+    DevicesState,
+    DiskRef,
+    HostInfo,
+    I8042State,
+    MachineSpec,
+    MemoryState,
+    VirtioSlotState,
+    VmSnapshot,
+)
+from smold.snapshot.store import memory_path, read_snapshot, write_memory, write_state
 from smold.vmm.vcpu import VcpuExit, VcpuThread, install_kick_handler
 
 log = logging.getLogger(__name__)
@@ -65,7 +82,7 @@ class MachineError(Exception):
 
 @dataclass(frozen=True)
 class MachineConfig:
-    kernel: Path
+    kernel: Path | None       # None only when restoring
     state_dir: Path
     initramfs: Path | None = None
     rootfs: Path | None = None
@@ -79,6 +96,7 @@ class MachineConfig:
     hostname: str = "smol"
     console_log: Path | None = None
     console_stream: Callable[[bytes], None] | None = None
+    restore_from: Path | None = None   # a snapshot directory: restore it instead of booting
 
     def validate(self) -> None:
         if not 1 <= self.cpus <= 64:
@@ -89,9 +107,36 @@ class MachineConfig:
             raise MachineError(f"memory={self.memory_mib} MiB: must be a multiple of 2 MiB")
         if self.vsock_cid < 3 or self.vsock_cid > 0xFFFFFFFF:
             raise MachineError(f"vsock cid {self.vsock_cid}: guest CIDs start at 3")
+        if self.kernel is None and self.restore_from is None:
+            raise MachineError("a kernel is needed to boot (or a snapshot to restore)")
         for name, path in (("kernel", self.kernel), ("initramfs", self.initramfs), ("rootfs", self.rootfs)):
             if path is not None and not Path(path).is_file():
                 raise MachineError(f"{name} {path} does not exist or is not a file")
+
+    @classmethod
+    def for_restore(cls, snapshot_dir: Path, state_dir: Path, snap: VmSnapshot, *, rootfs: Path | None = None,
+                    vsock_cid: int | None = None, hostname: str | None = None,
+                    console_log: Path | None = None,
+                    console_stream: Callable[[bytes], None] | None = None) -> MachineConfig:
+        """The configuration that rebuilds ``snap``'s machine; CID, hostname and disk path may change."""
+        spec = snap.spec
+        disk = rootfs if rootfs is not None else (Path(spec.rootfs.path) if spec.rootfs else None)
+        return cls(kernel=None, state_dir=state_dir, rootfs=disk, rootfs_read_only=True, cpus=spec.cpus,
+                   memory_mib=spec.memory_mib, cpu_template=spec.cpu_template, cmdline=spec.kernel_cmdline,
+                   vsock_cid=spec.vsock_cid if vsock_cid is None else vsock_cid,
+                   hostname=spec.hostname if hostname is None else hostname, console_log=console_log,
+                   console_stream=console_stream, restore_from=Path(snapshot_dir))
+
+
+@dataclass(frozen=True)
+class SnapshotResult:
+    """What ``Machine.snapshot`` wrote and how long each step took (seconds)."""
+
+    directory: Path
+    state_bytes: int
+    memory_bytes: int          # guest RAM size
+    memory_written: int        # non-zero chunks written (the rest of the file is holes)
+    timings: dict[str, float]
 
 
 @dataclass
@@ -133,9 +178,15 @@ class ConsoleLog:
 class Machine:
     """One microVM. Build with the constructor, then ``await run()`` until the guest ends."""
 
-    def __init__(self, config: MachineConfig) -> None:
+    def __init__(self, config: MachineConfig, *, snapshot: VmSnapshot | None = None) -> None:
+        """Boot ``config``'s kernel, or restore ``config.restore_from`` (``snapshot``: its state, if
+        already read)."""
         config.validate()
         self.config = config
+        self.restored = config.restore_from is not None
+        self.timings: dict[str, float] = {}
+        self.threads: list[VcpuThread] = []
+        self._snapshot_lock = asyncio.Lock()
         self.state_dir = Path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.vsock_path = self.state_dir / "vsock.sock"
@@ -146,6 +197,18 @@ class Machine:
         self._done: asyncio.Event | None = None
         self.started_at = 0.0
         try:
+            if config.restore_from is not None:
+                t0 = time.monotonic()
+                try:
+                    snap = snapshot if snapshot is not None else read_snapshot(config.restore_from)
+                except SnapshotError as e:
+                    raise MachineError(f"cannot restore {config.restore_from}: {e}") from e
+                self.timings["read_state"] = time.monotonic() - t0
+                self._snapshot_state: VmSnapshot | None = snap
+                self.restored_spec: MachineSpec | None = snap.spec
+            else:
+                self._snapshot_state = None
+                self.restored_spec = None
             self._build()
         except BaseException:
             self.close()
@@ -165,7 +228,16 @@ class Machine:
 
         layout = RamLayout.for_size(cfg.memory_mib * MiB)
         self.layout = layout
-        self.mem = GuestMemory(list(layout.regions))
+        snap = self._snapshot_state
+        if snap is None:
+            self.mem = GuestMemory(list(layout.regions))
+        else:
+            self._check_restorable(snap)
+            assert cfg.restore_from is not None
+            try:
+                self.mem = GuestMemory.from_file(memory_path(cfg.restore_from, snap), list(layout.regions))
+            except GuestMemoryError as e:
+                raise MachineError(f"cannot map the snapshot's memory: {e}") from e
         self._closers.append(self.mem.close)
         for region in self.mem.regions:
             self.vm.set_user_memory_region(region.guest_addr, region.size, self.mem.host_address(region))
@@ -179,32 +251,129 @@ class Machine:
         self.pio.insert(SERIAL_COM1_PORT, 8, self.serial)
         self.i8042 = I8042(self._on_guest_reset)
         self.pio.insert(I8042_PORT, 5, self.i8042)
-        self.pio.insert(CMOS_PORT, 2, Cmos())
+        self.cmos = Cmos()
+        self.pio.insert(CMOS_PORT, 2, self.cmos)
 
         self.template: CpuTemplate = resolve_template(cfg.cpu_template, is_pvm())
         self.transports: list[MmioTransport] = []
         self.virtio_cmdline: list[str] = []
         self._notify_fds: list[tuple[int, MmioTransport, int]] = []
+        self.block: Block | None = None
         if cfg.rootfs is not None:
             backend = FileBackend(cfg.rootfs, read_only=cfg.rootfs_read_only)
             self._closers.append(backend.close)
-            self._add_virtio(Block(backend, read_only=cfg.rootfs_read_only, serial=b"smol-root"))
+            self.block = Block(backend, read_only=cfg.rootfs_read_only, serial=b"smol-root")
+            self._add_virtio(self.block)
         self.vsock = Vsock(guest_cid=cfg.vsock_cid)
         self._add_virtio(self.vsock)
-        self._add_virtio(Rng())
+        self.rng = Rng()
+        self._add_virtio(self.rng)
+        self.vcpus: list[Vcpu] = []
+        self._cpuid: list[list[KvmCpuidEntry2]] = []
+        self._msr_indices: list[int] = []
+        self._xsave, self._xcrs = kvmstate.host_caps(self.kvm)
+        if snap is not None:
+            self._restore(snap)
+            return
 
         kernel = self._load_kernel()
-        self._write_boot_data(kernel)
         supported = self.kvm.supported_cpuid()
-        self.vcpus: list[Vcpu] = []
         for i in range(cfg.cpus):
             vcpu = self.vm.create_vcpu(i)
-            vcpu.set_cpuid(build_cpuid(supported, self.template, i, cfg.cpus))
+            table = build_cpuid(supported, self.template, i, cfg.cpus)
+            self._cpuid.append(table)
+            vcpu.set_cpuid(table)
             bootcpu.setup_boot_msrs(vcpu)
             bootcpu.setup_lapic_lints(vcpu)
             if i == 0:
                 bootcpu.setup_long_mode(vcpu, self.mem, entry=kernel.entry, rsi=ZERO_PAGE_ADDR)
             self.vcpus.append(vcpu)
+        # After the vCPUs exist: the compat template's command line carries the vCPU TSC rate.
+        self._write_boot_data(kernel)
+
+    # -- restore --------------------------------------------------------------------------------------
+    def _check_restorable(self, snap: VmSnapshot) -> None:
+        cfg, spec = self.config, snap.spec
+        if (cfg.cpus, cfg.memory_mib) != (spec.cpus, spec.memory_mib):
+            raise MachineError(f"snapshot is of a {spec.cpus}-vCPU {spec.memory_mib} MiB machine, the "
+                               f"configuration asks for {cfg.cpus} vCPUs and {cfg.memory_mib} MiB")
+        layout = tuple((r.guest_addr, r.size) for r in snap.memory.regions)
+        if layout != tuple(self.layout.regions):
+            raise MachineError("snapshot memory regions do not match this VMM's RAM layout")
+        if snap.host.pvm != is_pvm():
+            raise MachineError(f"snapshot taken on a {'PVM' if snap.host.pvm else 'hardware'} KVM host; "
+                               f"this host is {'PVM' if is_pvm() else 'hardware'} KVM")
+        if (spec.rootfs is None) != (cfg.rootfs is None):
+            raise MachineError("snapshot and configuration disagree on whether there is a root disk")
+        if spec.rootfs is not None and cfg.rootfs is not None:
+            try:
+                st = Path(cfg.rootfs).stat()
+            except OSError as e:
+                raise MachineError(f"root disk {cfg.rootfs}: {e.strerror}") from e
+            if st.st_size != spec.rootfs.size:
+                raise MachineError(f"root disk {cfg.rootfs} is {st.st_size} bytes; the snapshot was taken "
+                                   f"with a {spec.rootfs.size}-byte disk")
+            if st.st_mtime_ns != spec.rootfs.mtime_ns:
+                log.warning("root disk %s was modified after the snapshot was taken (mtime differs)", cfg.rootfs)
+
+    def _restore(self, snap: VmSnapshot) -> None:
+        """Load ``snap`` into the freshly built VM: irqchip/PIT, vCPUs, then devices (which may interrupt)."""
+        t0 = time.monotonic()
+        self.template = CpuTemplate(snap.spec.cpu_template)
+        try:
+            kvmstate.restore_vm(self.vm, snap.vm)
+            host_khz = 0
+            for state in snap.vcpus:
+                vcpu = self.vm.create_vcpu(state.index)
+                self.vcpus.append(vcpu)
+                self._cpuid.append(kvmstate.cpuid_entries(state))
+                host_khz = host_khz or vcpu.get_tsc_khz()
+                if state.tsc_khz and host_khz and abs(state.tsc_khz - host_khz) > host_khz // 1000:
+                    try:
+                        vcpu.set_tsc_khz(state.tsc_khz)
+                    except KvmError as e:
+                        raise SnapshotCompatError(f"snapshot TSC runs at {state.tsc_khz} kHz, this host's at "
+                                                  f"{host_khz} kHz and KVM cannot scale it ({e})") from e
+                kvmstate.restore_vcpu(vcpu, state, xsave=self._xsave, xcrs=self._xcrs)
+            self._restore_devices(snap)
+        except SnapshotError as e:
+            raise MachineError(f"cannot restore {self.config.restore_from}: {e}") from e
+        self.timings["restore_state"] = time.monotonic() - t0
+
+    def _restore_devices(self, snap: VmSnapshot) -> None:
+        dev = snap.devices
+        self.serial.restore(dev.serial)
+        if len(dev.cmos.nvram) != len(self.cmos.nvram):
+            raise SnapshotCompatError(f"CMOS NVRAM of {len(dev.cmos.nvram)} bytes, expected {len(self.cmos.nvram)}")
+        self.cmos.index = dev.cmos.index & 0x7F
+        self.cmos.nvram[:] = dev.cmos.nvram
+        self.i8042.resets = dev.i8042.resets
+        kinds = [type(t.device).__name__ for t in self.transports]
+        saved = [type(v.device).__name__.removesuffix("State") for v in dev.virtio]
+        if kinds != saved or [v.slot for v in dev.virtio] != list(range(len(dev.virtio))):
+            raise SnapshotCompatError(f"snapshot virtio devices {saved} do not match this machine's {kinds}")
+        for transport, slot in zip(self.transports, dev.virtio, strict=True):
+            device = transport.device
+            if isinstance(device, (Block, Vsock, Rng)):
+                device.restore(slot.device)  # type: ignore[arg-type]  # kinds were checked above
+            transport.restore(slot.mmio)
+        if self.vsock.guest_cid != self.config.vsock_cid:
+            # The transport reset queued by the restore makes the guest re-read guest_cid (virtio 1.2
+            # §5.10.6.7), so a restored copy can take a new CID.
+            self.vsock.guest_cid = self.config.vsock_cid
+
+    def _kick_after_restore(self) -> None:
+        """Pick up work the guest queued before the snapshot and re-raise interrupts it had not taken:
+        notifications and irqfd injections in flight at pause time are not part of any state."""
+        with self.mmio.lock:
+            for transport in self.transports:
+                for q in range(len(transport.queues)):
+                    transport.notify(q)
+                if transport.interrupt_status:
+                    transport.irq.trigger()
+        st = self.serial.save()
+        if (st.ier & 0x02 and st.thre_pending) or (st.ier & 0x01 and st.rx):
+            self.serial.irq.trigger()
 
     def _irq(self, gsi: int) -> EventFdIrq:
         irq = EventFdIrq(gsi)
@@ -225,6 +394,8 @@ class Machine:
             self._notify_fds.append((fd, transport, q))
 
     def _load_kernel(self) -> LoadedKernel:
+        if self.config.kernel is None:
+            raise MachineError("no kernel to boot")
         try:
             image = Path(self.config.kernel).read_bytes()
         except OSError as e:
@@ -236,7 +407,8 @@ class Machine:
 
     def kernel_cmdline(self) -> str:
         cfg = self.config
-        parts = [cfg.cmdline, template_cmdline(self.template), *self.virtio_cmdline]
+        tsc_khz = self.vcpus[0].get_tsc_khz() if self.vcpus else None
+        parts = [cfg.cmdline, template_cmdline(self.template, tsc_khz, cfg.cpus), *self.virtio_cmdline]
         if cfg.hostname:
             parts.append(f"smol.hostname={cfg.hostname}")
         if cfg.cmdline_extra:
@@ -275,7 +447,20 @@ class Machine:
                 loop.call_soon_threadsafe(done.set)
 
     def _on_guest_reset(self) -> None:
-        self._finish(MachineExit("poweroff", "guest reset through the i8042 controller"))
+        self._finish(self._classify_reset())
+
+    # The guest reboots (reboot=k, panic=-1) both when asked to power off and when it fails: tell them
+    # apart by the last thing the console said.
+    _CRASH_MARKERS = (b"Kernel panic - not syncing", b"smol-init: FATAL")
+
+    def _classify_reset(self) -> MachineExit:
+        tail = bytes(self.console.tail[-8192:])
+        for marker in self._CRASH_MARKERS:
+            at = tail.rfind(marker)
+            if at >= 0:
+                line = tail[at:].split(b"\n", 1)[0].decode("utf-8", "replace").strip()
+                return MachineExit("crash", f"guest failed: {line}")
+        return MachineExit("poweroff", "guest reset through the i8042 controller")
 
     def _on_vcpu_exit(self, e: VcpuExit) -> None:
         kind = {"stopped": "stopped", "reset": "poweroff", "shutdown": "poweroff"}.get(e.kind, e.kind)
@@ -312,6 +497,17 @@ class Machine:
         install_kick_handler()
         self.threads = [VcpuThread(v, self.pio, self.mmio, self._on_vcpu_exit, describe_fault=self.describe_fault)
                         for v in self.vcpus]
+        if self._snapshot_state is not None:
+            self._kick_after_restore()
+            try:
+                # Last, so the guest's clocks lose no more than the moment until its vCPUs run.
+                kvmstate.restore_clock(self.vm, self._snapshot_state.vm)
+            except SnapshotError as e:
+                self._finish(MachineExit("error", f"restore: {e}"))
+            for v in self.vcpus:
+                with contextlib.suppress(SnapshotError):
+                    kvmstate.mark_guest_stopped(v)
+            self._snapshot_state = None   # the state is loaded; let it be freed
         self.started_at = time.monotonic()
         for t in self.threads:
             t.start()
@@ -334,6 +530,93 @@ class Machine:
         for fd, _t, _q in self._notify_fds:
             loop.remove_reader(fd)
         await self.vsock_backend.close()
+
+    # -- pause, resume, snapshot ---------------------------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        return bool(self.threads) and all(t.paused.is_set() for t in self.threads)
+
+    async def pause(self, timeout: float = 10.0) -> None:
+        """Park every vCPU thread outside KVM_RUN at an instruction boundary (I/O exits completed)."""
+        if not self.threads:
+            raise MachineError("the machine is not running")
+        for t in self.threads:
+            t.pause()
+        deadline = time.monotonic() + timeout
+        while not all(t.paused.is_set() or not t.is_alive() for t in self.threads):
+            if time.monotonic() > deadline:
+                self.resume()
+                raise MachineError(f"vCPUs did not pause within {timeout}s")
+            await asyncio.sleep(0.001)
+        if not all(t.is_alive() for t in self.threads):
+            raise MachineError("a vCPU thread ended while pausing")
+
+    def resume(self) -> None:
+        for t in self.threads:
+            t.resume()
+
+    def capture(self) -> VmSnapshot:
+        """The state of a paused machine; its ``memory`` is a placeholder until the memory file is written."""
+        if not self.paused:
+            raise MachineError("capture needs a paused machine")
+        cfg = self.config
+        if self.block is not None and not self.block.read_only:
+            raise SnapshotError("a machine with a writable root disk cannot be snapshotted: the disk's "
+                                "contents are not part of the snapshot")
+        if not self._msr_indices:
+            self._msr_indices = kvmstate.saveable_msrs(self.kvm, self.vcpus[0])
+        now_ns = time.time_ns()
+        vcpus = tuple(kvmstate.capture_vcpu(v, self._cpuid[i], self._msr_indices, xsave=self._xsave,
+                                            xcrs=self._xcrs) for i, v in enumerate(self.vcpus))
+        vm_state = kvmstate.capture_vm(self.vm)
+        with self.mmio.lock:
+            slots = []
+            for i, transport in enumerate(self.transports):
+                device = transport.device
+                if not isinstance(device, (Block, Vsock, Rng)):
+                    raise SnapshotError(f"virtio device {type(device).__name__} has no snapshot support")
+                slots.append(VirtioSlotState(slot=i, mmio=transport.save(), device=device.save()))
+            devices = DevicesState(serial=self.serial.save(),
+                                   cmos=CmosState(index=self.cmos.index, nvram=bytes(self.cmos.nvram)),
+                                   i8042=I8042State(resets=self.i8042.resets), virtio=tuple(slots))
+        disk = None
+        if cfg.rootfs is not None:
+            st = Path(cfg.rootfs).stat()
+            disk = DiskRef(path=str(Path(cfg.rootfs).resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns,
+                           read_only=True)
+        spec = MachineSpec(cpus=cfg.cpus, memory_mib=cfg.memory_mib, cpu_template=self.template.value,
+                           vsock_cid=self.vsock.guest_cid, hostname=cfg.hostname, kernel_cmdline=cfg.cmdline,
+                           rootfs=disk)
+        host = HostInfo(pvm=is_pvm(), kernel=os.uname().release, tsc_khz=vcpus[0].tsc_khz)
+        return VmSnapshot(kind=STATE_KIND, spec=spec, host=host, created_unix_ns=now_ns, vm=vm_state,
+                          vcpus=vcpus, devices=devices, memory=MemoryState(file="", size=0, regions=(), sha256=None))
+
+    async def snapshot(self, directory: Path, *, resume: bool = True, digest: bool = False,
+                       durable: bool = False) -> SnapshotResult:
+        """Pause, write state + memory to ``directory`` (docs/snapshot.md), then resume unless told not to.
+
+        Runs on the event loop thread, which also runs every device, so no device can change guest
+        memory or its own state while the files are written.
+        """
+        async with self._snapshot_lock:
+            directory = Path(directory)
+            t0 = time.monotonic()
+            await self.pause()
+            t_paused = time.monotonic()
+            try:
+                state = self.capture()
+                t_state = time.monotonic()
+                mem = write_memory(directory, self.mem, digest=digest, durable=durable)
+                t_mem = time.monotonic()
+                size = write_state(directory, dataclasses.replace(state, memory=mem.state))
+                t_end = time.monotonic()
+            finally:
+                if resume:
+                    self.resume()
+            timings = {"pause": t_paused - t0, "capture": t_state - t_paused, "memory": t_mem - t_state,
+                       "state": t_end - t_mem, "total": t_end - t0}
+            log.info("snapshot %s: %s", directory, timings)
+            return SnapshotResult(directory, size, self.mem.size, mem.bytes_written, timings)
 
     def console_tail(self, limit: int = 4096) -> str:
         return bytes(self.console.tail[-limit:]).decode("utf-8", "replace")

@@ -1,26 +1,35 @@
-"""Run one microVM in this process: boot, wait for the guest agent, report readiness, end cleanly."""
+"""Run one microVM in this process: boot (or restore a snapshot), wait for the guest agent, report readiness,
+optionally snapshot it, end cleanly."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from smold.agent import AgentClient, AgentError, connect_vsock_uds, wait_ready
-from smold.vmm.machine import Machine, MachineConfig, MachineError, MachineExit
+from smold.snapshot.errors import SnapshotError
+from smold.snapshot.state import VmSnapshot
+from smold.vmm.control import ControlServer
+from smold.vmm.machine import Machine, MachineConfig, MachineError, MachineExit, SnapshotResult
+
+log = logging.getLogger(__name__)
 
 AGENT_VSOCK_PORT = 1024       # the guest's /init starts the agent on this port
 READY_FILE = "ready.json"
 EXIT_FILE = "exit.json"
 CONSOLE_FILE = "console.log"
+CONTROL_FILE = "control.sock"
 
 
 class RunnerError(Exception):
@@ -39,9 +48,18 @@ class ReadyInfo:
     memory_mib: int
     boot_seconds: float       # from VMM process start to agent ready
     vcpu_start_seconds: float  # from VMM process start to the first vCPU running
+    restored: bool = False     # restored from a snapshot rather than booted
+    timings: dict[str, float] = field(default_factory=dict)   # restore steps, seconds
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
+
+
+class AfterSnapshot:
+    """What ``--snapshot-on-ready`` does once the snapshot is written."""
+
+    EXIT = "exit"            # stop the VMM (the guest is not powered off: the snapshot is the product)
+    CONTINUE = "continue"    # resume the guest and go on as without the option
 
 
 @dataclass
@@ -53,6 +71,7 @@ class RunOutcome:
     error: str = ""
     exec_code: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    snapshot: SnapshotResult | None = None
 
     @property
     def exit_code(self) -> int:
@@ -82,15 +101,27 @@ def _write_atomic(path: Path, text: str) -> None:
 class Runner:
     """Owns one Machine for the life of the process.
 
-    ``state_dir`` holds ``vsock.sock`` (removed at exit), ``ready.json`` (removed at exit),
-    ``console.log`` and ``exit.json`` (kept for the supervisor). With ``remove_state_dir`` the whole
+    ``state_dir`` holds ``vsock.sock`` and ``control.sock`` (removed at exit), ``ready.json`` (removed at
+    exit), ``console.log`` and ``exit.json`` (kept for the supervisor). With ``remove_state_dir`` the whole
     directory is removed at exit (the CLI's private temporary directory).
     """
 
     def __init__(self, config: MachineConfig | None = None, *, boot_timeout: float = 600.0,
                  process_start: float | None = None,
                  on_ready: Callable[[ReadyInfo], None] | None = None,
-                 remove_state_dir: bool = False) -> None:
+                 remove_state_dir: bool = False, snapshot_dir: Path | None = None,
+                 after_snapshot: str = AfterSnapshot.EXIT,
+                 on_snapshot: Callable[[SnapshotResult], None] | None = None,
+                 restore_state: VmSnapshot | None = None, new_identity: bool = False) -> None:
+        """``snapshot_dir``: once the agent is ready and ``body`` (the setup command) succeeded, write a
+        snapshot there, then exit or continue (``after_snapshot``)."""
+        if after_snapshot not in (AfterSnapshot.EXIT, AfterSnapshot.CONTINUE):
+            raise RunnerError(f"after_snapshot must be 'exit' or 'continue', not {after_snapshot!r}")
+        self.snapshot_dir = snapshot_dir
+        self.restore_state = restore_state
+        self.new_identity = new_identity
+        self.after_snapshot = after_snapshot
+        self.on_snapshot = on_snapshot
         self.remove_state_dir = remove_state_dir
         self.boot_timeout = boot_timeout
         self.process_start = process_start if process_start is not None else time.monotonic()
@@ -129,9 +160,11 @@ class Runner:
         config, self._own_dir = self.prepare(self._config, self.remove_state_dir)
         outcome = RunOutcome(exit=None)
         state_dir = Path(config.state_dir)
+        control: ControlServer | None = None
         try:
             try:
-                self.machine = Machine(config)
+                self.machine = Machine(config, snapshot=self.restore_state)
+                self.restore_state = None
             except MachineError as e:
                 outcome.error = str(e)
                 return outcome
@@ -142,6 +175,8 @@ class Runner:
             started = asyncio.Event()
             run_task = asyncio.ensure_future(machine.run(on_started=started.set))
             await started.wait()
+            control = ControlServer(machine, state_dir / CONTROL_FILE)
+            await control.start()
             outcome.timings["vcpu_start"] = time.monotonic() - self.process_start
             supervisor = asyncio.ensure_future(self._supervise(machine, outcome, body))
             done, _ = await asyncio.wait({run_task, supervisor}, return_when=asyncio.FIRST_COMPLETED)
@@ -165,6 +200,8 @@ class Runner:
                 outcome.error = outcome.exit.detail + ("\nconsole tail:\n" + "\n".join(tail) if tail else "")
             return outcome
         finally:
+            if control is not None:
+                await control.close()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
@@ -189,11 +226,24 @@ class Runner:
             outcome.error = f"boot timeout: guest agent not ready after {self.boot_timeout:.0f}s ({e})"
             return
         now = time.monotonic()
+        restore_timings: dict[str, float] = {}
+        if machine.restored:
+            restore_timings = {k: round(v, 4) for k, v in machine.timings.items()}
+            restore_timings["agent"] = round(now - self.process_start, 4)
+            try:
+                await self._after_restore(machine, client)
+            except (AgentError, OSError) as e:
+                outcome.error = f"restored guest did not take its clock correction or identity: {e}"
+                await client.close()
+                return
+            now = time.monotonic()
+            restore_timings["clock_fix"] = round(now - self.process_start - restore_timings["agent"], 4)
         self.ready = ReadyInfo(
             pid=os.getpid(), vsock_path=str(machine.vsock_path), agent_port=AGENT_VSOCK_PORT,
             cpu_template=machine.template.value, cpus=machine.config.cpus,
             memory_mib=machine.config.memory_mib, boot_seconds=round(now - self.process_start, 3),
-            vcpu_start_seconds=round(outcome.timings.get("vcpu_start", 0.0), 3))
+            vcpu_start_seconds=round(outcome.timings.get("vcpu_start", 0.0), 3), restored=machine.restored,
+            timings=restore_timings)
         outcome.ready = self.ready
         outcome.timings["agent_ready"] = now - self.process_start
         _write_atomic(machine.state_dir / READY_FILE, self.ready.to_json())
@@ -201,16 +251,66 @@ class Runner:
         if self.on_ready is not None:
             self.on_ready(self.ready)
         try:
+            if body is not None:
+                result = body(self, client)
+                if asyncio.iscoroutine(result):
+                    result = await result
+                if isinstance(result, int):
+                    outcome.exec_code = result
+            if self.snapshot_dir is not None:
+                await client.close()
+                if not await self._snapshot(machine, outcome):
+                    return
+                if self.after_snapshot == AfterSnapshot.EXIT:
+                    return
+                if body is not None:
+                    client = await self.connect()
             if body is None:
                 await client.close()
                 await asyncio.Event().wait()   # until the guest ends (run_task completes first)
                 return
-            result = body(self, client)
-            if asyncio.iscoroutine(result):
-                result = await result
-            if isinstance(result, int):
-                outcome.exec_code = result
             with contextlib.suppress(AgentError, OSError):
                 await client.poweroff()
         finally:
             await client.close()
+
+    async def _snapshot(self, machine: Machine, outcome: RunOutcome) -> bool:
+        """``--snapshot-on-ready``: write the snapshot; False (and outcome.error) if it was not written."""
+        assert self.snapshot_dir is not None
+        if outcome.exec_code not in (None, 0):
+            outcome.error = (f"setup command exited with {outcome.exec_code}: no snapshot written")
+            return False
+        exiting = self.after_snapshot == AfterSnapshot.EXIT
+        try:
+            result = await machine.snapshot(self.snapshot_dir, resume=not exiting, digest=True, durable=True)
+        except (SnapshotError, MachineError, OSError) as e:
+            outcome.error = f"snapshot failed: {e}"
+            return False
+        outcome.snapshot = result
+        if self.on_snapshot is not None:
+            self.on_snapshot(result)
+        if exiting:
+            machine.stop(f"snapshot written to {result.directory}")
+        return True
+
+    async def _after_restore(self, machine: Machine, client: AgentClient) -> None:
+        """Correct the guest's wall clock, which stood still while the snapshot was on disk.
+
+        The restored kvmclock and TSC continue from their saved values, so CLOCK_MONOTONIC in the guest
+        has no jump (timers and sleeps behave as if the VM had been paused); only CLOCK_REALTIME is
+        stepped to the host's clock, by the agent's SET_TIME request (one clock_settime in the guest,
+        no process spawned: an exec costs seconds of emulated kernel time on PVM). docs/snapshot.md.
+        """
+        spec = machine.restored_spec
+        identity: dict[str, Any] = {}
+        if spec is not None and machine.config.hostname != spec.hostname:
+            identity["hostname"] = machine.config.hostname
+        if self.new_identity:
+            identity.update(hostname=machine.config.hostname, machine_id=uuid.uuid4().hex, entropy=os.urandom(64))
+        jobs = [client.set_time()]
+        if identity:
+            jobs.append(client.set_identity(**identity))
+        result, *_ = await asyncio.gather(*jobs)
+        skew = (result.get("realtime_ns", 0) - time.time_ns()) / 1e9
+        log.info("guest clock was %.3f s behind; stepped (residual %.4f s); identity %s",
+                 (time.time_ns() - int(result.get("previous_ns", 0))) / 1e9, skew, sorted(identity))

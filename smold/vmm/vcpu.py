@@ -47,7 +47,9 @@ class VcpuThread(threading.Thread):
         self.on_exit = on_exit
         self.describe_fault = describe_fault
         self._stop_requested = threading.Event()
-        self.paused = threading.Event()
+        self._pause_requested = threading.Event()
+        self._resume = threading.Event()
+        self.paused = threading.Event()   # set while the thread is parked (see ``pause``)
         self.exit_counts: dict[ExitReason, int] = {}
         self._handlers: dict[int, Callable[[], VcpuExit | None]] = {
             ExitReason.IO: self._on_io,
@@ -73,13 +75,30 @@ class VcpuThread(threading.Thread):
 
     def stop(self) -> None:
         self._stop_requested.set()
+        self._resume.set()
         self.kick()
+
+    def pause(self) -> None:
+        """Ask the thread to park outside KVM_RUN; ``paused`` is set once it has (see ``_park``)."""
+        self._resume.clear()
+        self._pause_requested.set()
+        self.kick()
+
+    def resume(self) -> None:
+        self._pause_requested.clear()
+        self._resume.set()
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
         result = VcpuExit(self.vcpu.index, "stopped")
         try:
             while not self._stop_requested.is_set():
+                if self._pause_requested.is_set():
+                    outcome = self._park()
+                    if outcome is not None:
+                        result = outcome
+                        break
+                    continue
                 try:
                     reason = self.vcpu.run()
                 except KvmError as e:
@@ -88,17 +107,7 @@ class VcpuThread(threading.Thread):
                         continue
                     result = VcpuExit(self.vcpu.index, "error", f"KVM_RUN failed: {e}")
                     break
-                try:
-                    key = ExitReason(reason)
-                except ValueError:
-                    result = VcpuExit(self.vcpu.index, "error", f"unhandled KVM exit reason {reason}")
-                    break
-                self.exit_counts[key] = self.exit_counts.get(key, 0) + 1
-                handler = self._handlers.get(key)
-                if handler is None:
-                    result = VcpuExit(self.vcpu.index, "error", f"unhandled KVM exit {key.name}")
-                    break
-                outcome = handler()
+                outcome = self._dispatch(reason)
                 if outcome is not None:
                     result = outcome
                     break
@@ -106,6 +115,42 @@ class VcpuThread(threading.Thread):
             log.exception("vcpu%d crashed", self.vcpu.index)
             result = VcpuExit(self.vcpu.index, "error", f"vCPU thread failed: {e!r}")
         self.on_exit(result)
+
+    def _dispatch(self, reason: int) -> VcpuExit | None:
+        try:
+            key = ExitReason(reason)
+        except ValueError:
+            return VcpuExit(self.vcpu.index, "error", f"unhandled KVM exit reason {reason}")
+        self.exit_counts[key] = self.exit_counts.get(key, 0) + 1
+        handler = self._handlers.get(key)
+        if handler is None:
+            return VcpuExit(self.vcpu.index, "error", f"unhandled KVM exit {key.name}")
+        return handler()
+
+    def _park(self) -> VcpuExit | None:
+        """Complete the instruction of the last PIO/MMIO exit, then wait until resumed or stopped.
+
+        KVM finishes an exit's instruction (an IN's or MMIO read's destination register, a string
+        I/O's next iteration) only on the next KVM_RUN. With immediate_exit set that KVM_RUN does just
+        this and returns EINTR without entering the guest, so the registers read while parked are
+        at an instruction boundary (Documentation/virt/kvm/api.rst, KVM_RUN / immediate_exit).
+        """
+        for _ in range(4096):   # a rep string instruction may exit again before it completes
+            self.vcpu.request_exit()
+            try:
+                reason = self.vcpu.run()
+            except KvmError as e:
+                if e.errno in (errno.EINTR, errno.EAGAIN):
+                    break
+                return VcpuExit(self.vcpu.index, "error", f"KVM_RUN (completing I/O before pause) failed: {e}")
+            outcome = self._dispatch(reason)
+            if outcome is not None:
+                return outcome
+        self.vcpu.clear_exit_request()
+        self.paused.set()
+        self._resume.wait()
+        self.paused.clear()
+        return None
 
     # -- exit handlers --------------------------------------------------------------------------------
     def _on_io(self) -> VcpuExit | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -407,12 +407,15 @@ def test_load_kernel_rejects_bad_elf_magic(ram: GuestMemory) -> None:
     assert ram.read(0x200000, 1) == b"\xaa"
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="load_elf does not check the ELF magic (only load_kernel does): called directly "
-                          "it loads any blob whose bytes 4/5 and e_machine look right")
 def test_load_elf_itself_rejects_bad_magic(ram: GuestMemory) -> None:
-    with pytest.raises(KernelLoadError):
+    with pytest.raises(KernelLoadError, match="magic"):
         load_elf(ram, NOT_ELF)
+    assert ram.read(0x200000, 1) == b"\xaa"
+
+
+def test_load_elf_rejects_a_bzimage(ram: GuestMemory) -> None:
+    with pytest.raises(KernelLoadError):
+        load_elf(ram, bzimage(PAYLOAD))
 
 
 def test_elf_phentsize_below_56_rejected(ram: GuestMemory) -> None:
@@ -508,24 +511,29 @@ def test_bzimage_setup_header_returned(ram: GuestMemory) -> None:
     assert u32(hdr, 0x22C - 0x1F1) == 0x7FFFFFFF
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="loader.py computes the setup header end as 0x202 + byte[0x201] + 2; boot.rst "
-                          "says 0x202 + byte[0x201], so two bytes of setup code leak into boot_params")
-def test_bzimage_setup_header_ends_where_boot_rst_says(ram: GuestMemory) -> None:
-    image = bzimage(PAYLOAD, jump=JUMP)
+@pytest.mark.parametrize("jump", [0x62, JUMP, 0x7E])
+def test_bzimage_setup_header_ends_where_boot_rst_says(ram: GuestMemory, jump: int) -> None:
+    image = bzimage(PAYLOAD, jump=jump)
     hdr = load_bzimage(ram, image).setup_header
     assert hdr is not None
-    assert len(hdr) == 0x202 + JUMP - 0x1F1
+    assert len(hdr) == 0x202 + jump - 0x1F1            # boot.rst: the header ends at 0x202 + byte 0x201
+    assert b"\xcc" not in hdr                           # no setup code after the header leaks in
+
+
+def test_bzimage_header_ending_before_init_size_rejected(ram: GuestMemory) -> None:
+    with pytest.raises(KernelLoadError, match="setup header ends"):
+        load_bzimage(ram, bzimage(PAYLOAD, jump=0x5E))  # ends at 0x260: no room for init_size
 
 
 def test_bzimage_minimum_protocol_accepted(ram: GuestMemory) -> None:
-    k = load_bzimage(ram, bzimage(PAYLOAD, version=0x0206))
+    k = load_bzimage(ram, bzimage(PAYLOAD, version=0x020C))   # 2.12: xloadflags
     assert k.entry == 2 * MiB + 0x200
 
 
-@pytest.mark.parametrize("version", [0x0000, 0x0200, 0x0205])
+# pref_address/init_size exist from 2.10 and xloadflags (XLF_KERNEL_64) from 2.12 (boot.rst).
+@pytest.mark.parametrize("version", [0x0000, 0x0200, 0x0205, 0x0206, 0x0209, 0x020A, 0x020B])
 def test_bzimage_old_protocol_rejected(ram: GuestMemory, version: int) -> None:
-    with pytest.raises(KernelLoadError, match="older than 2.06"):
+    with pytest.raises(KernelLoadError, match=r"older than 2\.12.*xloadflags"):
         load_bzimage(ram, bzimage(PAYLOAD, version=version))
     assert ram.read(2 * MiB, 4) == b"\xaa" * 4
 
@@ -572,12 +580,38 @@ def test_load_kernel_rejects_unknown_formats(ram: GuestMemory, image: bytes) -> 
         load_kernel(ram, image)
 
 
-@pytest.mark.xfail(strict=True, raises=struct.error,
-                   reason="load_bzimage reads 0x236/0x258/0x260 without a length check: a truncated "
-                          "bzImage raises struct.error instead of KernelLoadError")
 def test_truncated_bzimage_rejected_with_kernel_load_error(ram: GuestMemory) -> None:
     with pytest.raises(KernelLoadError):
         load_kernel(ram, bzimage(PAYLOAD)[:0x220])
+
+
+# Cut inside/just before each field read: version 0x206, xloadflags 0x236, pref_address 0x258,
+# init_size 0x260, the end of the header, and inside the setup sectors.
+TRUNCATIONS = [0x206, 0x207, 0x208, 0x220, 0x236, 0x237, 0x258, 0x25F, 0x260, 0x263, 0x26C, 0x400,
+               5 * 512 - 1]
+
+
+@pytest.mark.parametrize("length", TRUNCATIONS, ids=hex)
+@pytest.mark.parametrize("loader", [load_kernel, load_bzimage])
+def test_truncated_bzimage_never_raises_struct_or_index_error(
+        ram: GuestMemory, length: int, loader: Callable[[GuestMemory, bytes], LoadedKernel]) -> None:
+    with pytest.raises(KernelLoadError):
+        loader(ram, bzimage(PAYLOAD)[:length])
+    assert ram.read(2 * MiB, 4) == b"\xaa" * 4
+
+
+def test_bzimage_shorter_than_its_setup_sectors_rejected(ram: GuestMemory) -> None:
+    image = bzimage(PAYLOAD, setup_sects=27)[:20 * 512]    # header intact, setup code cut short
+    with pytest.raises(KernelLoadError, match="setup sectors"):
+        load_bzimage(ram, image)
+    assert ram.read(2 * MiB, 4) == b"\xaa" * 4
+
+
+@pytest.mark.parametrize("image", [b"", b"\x7fELF", bytes(0x300), b"\x7fELF" + bytes(0x300),
+                                   bzimage(PAYLOAD)[:0x202] + b"HdrZ" + bzimage(PAYLOAD)[0x206:]])
+def test_load_bzimage_itself_rejects_missing_hdrs(ram: GuestMemory, image: bytes) -> None:
+    with pytest.raises(KernelLoadError, match="HdrS"):
+        load_bzimage(ram, image)
 
 
 # ======================================================================================================

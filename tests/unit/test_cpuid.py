@@ -232,3 +232,14 @@ def test_compat_cmdline_hides_xsave_and_cx16() -> None:
 
 def test_host_cmdline_is_empty() -> None:
     assert template_cmdline(CpuTemplate.HOST) == ""
+
+
+def test_compat_smp_cmdline_adds_nopv_and_the_tsc_rate() -> None:
+    one = template_cmdline(CpuTemplate.COMPAT, 2_596_096, cpus=1).split()
+    two = template_cmdline(CpuTemplate.COMPAT, 2_596_096, cpus=2).split()
+    assert "nopv" not in one and not any(w.startswith("tsc_early_khz=") for w in one)
+    assert set(one) < set(two)
+    assert "nopv" in two
+    assert "tsc_early_khz=2596096" in two
+    assert "lpj=25960960" in two          # TSC cycles per jiffy at HZ=100
+    assert template_cmdline(CpuTemplate.HOST, 2_596_096, cpus=4) == ""

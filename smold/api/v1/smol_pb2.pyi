@@ -37,7 +37,7 @@ COPY_FORMAT_FILE: CopyFormat
 COPY_FORMAT_TAR: CopyFormat
 
 class Machine(_message.Message):
-    __slots__ = ("id", "name", "state", "cpus", "memory_mib", "image", "image_digest", "smolfile_digest", "created_at", "failure_reason", "console_tail")
+    __slots__ = ("id", "name", "state", "cpus", "memory_mib", "image", "image_digest", "smolfile_digest", "created_at", "failure_reason", "console_tail", "vmm_pid")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class Machine(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
     CONSOLE_TAIL_FIELD_NUMBER: _ClassVar[int]
+    VMM_PID_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: MachineState
@@ -60,7 +61,8 @@ class Machine(_message.Message):
     created_at: _timestamp_pb2.Timestamp
     failure_reason: str
     console_tail: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[MachineState, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., image: _Optional[str] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., console_tail: _Optional[str] = ...) -> None: ...
+    vmm_pid: int
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[MachineState, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., image: _Optional[str] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., console_tail: _Optional[str] = ..., vmm_pid: _Optional[int] = ...) -> None: ...
 
 class Smolfile(_message.Message):
     __slots__ = ("toml", "spec")
@@ -276,10 +278,12 @@ class CreateMachineResponse(_message.Message):
     def __init__(self, machine: _Optional[_Union[Machine, _Mapping]] = ...) -> None: ...
 
 class GetMachineRequest(_message.Message):
-    __slots__ = ("machine_id",)
+    __slots__ = ("machine_id", "console_tail_bytes")
     MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSOLE_TAIL_BYTES_FIELD_NUMBER: _ClassVar[int]
     machine_id: str
-    def __init__(self, machine_id: _Optional[str] = ...) -> None: ...
+    console_tail_bytes: int
+    def __init__(self, machine_id: _Optional[str] = ..., console_tail_bytes: _Optional[int] = ...) -> None: ...
 
 class GetMachineResponse(_message.Message):
     __slots__ = ("machine",)
@@ -429,14 +433,18 @@ class StepResult(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ok: _Optional[bool] = ..., evidence: _Optional[_Union[Evidence, _Mapping]] = ...) -> None: ...
 
 class RunResponse(_message.Message):
-    __slots__ = ("result", "steps", "machine_id")
+    __slots__ = ("result", "steps", "machine_id", "error", "duration_ms")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     result: VerifyResult
     steps: _containers.RepeatedCompositeFieldContainer[StepResult]
     machine_id: str
-    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ...) -> None: ...
+    error: str
+    duration_ms: int
+    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ..., error: _Optional[str] = ..., duration_ms: _Optional[int] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("machine_id", "name")

@@ -1,0 +1,9 @@
+"""smolctl subcommands, one module each: NAME, HELP, add_arguments(parser), run(args, stub) -> exit code."""
+
+from types import ModuleType
+
+from . import cp, create, exec, logs, ls, rm, run, verify
+
+COMMANDS: tuple[ModuleType, ...] = (create, ls, exec, cp, verify, rm, run, logs)
+
+__all__ = ["COMMANDS"]

@@ -1,0 +1,31 @@
+"""smolctl logs MACHINE: print the end of a machine's serial console log."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from smold.api.v1 import smol_pb2 as pb
+from smold.api.v1 import smol_pb2_grpc as pb_grpc
+
+NAME = "logs"
+HELP = "print the end of a machine's console log"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("machine", help="machine id or name")
+    p.add_argument("-c", "--bytes", type=int, default=65536, help="how much of the log's end to fetch (64 KiB)")
+    p.add_argument("-n", "--lines", type=int, help="print only the last N lines")
+
+
+def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
+    m = stub.GetMachine(pb.GetMachineRequest(machine_id=args.machine, console_tail_bytes=max(1, args.bytes))).machine
+    text = m.console_tail
+    if args.lines is not None:
+        text = "".join(text.splitlines(keepends=True)[-args.lines:]) if args.lines > 0 else ""
+    sys.stdout.write(text)
+    if text and not text.endswith("\n"):
+        sys.stdout.write("\n")
+    if m.failure_reason:
+        sys.stderr.write(f"smolctl: machine {m.id} failed: {m.failure_reason}\n")
+    return 0

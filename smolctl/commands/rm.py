@@ -1,0 +1,32 @@
+"""smolctl rm MACHINE...: destroy machines (every process, socket and file they had)."""
+
+from __future__ import annotations
+
+import argparse
+
+import grpc
+
+from smold.api.v1 import smol_pb2 as pb
+from smold.api.v1 import smol_pb2_grpc as pb_grpc
+
+from ..client import ERROR_EXIT, rpc_error_message, socket_path, write_err
+
+NAME = "rm"
+HELP = "destroy machines"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("machines", nargs="+", metavar="machine", help="machine ids or names")
+
+
+def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
+    code = 0
+    for ref in args.machines:
+        try:
+            stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=ref))
+        except grpc.RpcError as e:
+            write_err(f"smolctl: error: {rpc_error_message(e, socket_path(args.socket))}\n")
+            code = ERROR_EXIT
+        else:
+            print(ref)
+    return code

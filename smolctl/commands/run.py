@@ -1,0 +1,27 @@
+"""smolctl run SMOLFILE: create, set up, run the task, verify, destroy; print the result (exit 0 pass, 1 fail)."""
+
+from __future__ import annotations
+
+import argparse
+
+from smold.api.v1 import smol_pb2 as pb
+from smold.api.v1 import smol_pb2_grpc as pb_grpc
+
+from ..client import smolfile_message
+from ..output import run_result, to_json
+
+NAME = "run"
+HELP = "run a task in a fresh machine and print the verifier's result (exit 0 pass, 1 fail)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("smolfile", help="a Smolfile.toml, or a directory holding one")
+    p.add_argument("--name", default="", help="name of the (short-lived) machine")
+    p.add_argument("--json", action="store_true", help="print the whole RunResponse as JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="show output tails of passing steps and checks")
+
+
+def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
+    resp = stub.Run(pb.RunRequest(smolfile=smolfile_message(args.smolfile), name=args.name))
+    print(to_json(resp) if args.json else run_result(resp, verbose=args.verbose))
+    return 0 if resp.result.passed else 1

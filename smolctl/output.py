@@ -1,0 +1,102 @@
+"""Human-readable rendering of machines, verifier results and Run results."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
+from smold.api.v1 import smol_pb2 as pb
+
+STATE_NAMES = {v: k.removeprefix("MACHINE_STATE_").lower() for k, v in pb.MachineState.items()}
+
+
+def to_json(msg: Message) -> str:
+    data: dict[str, Any] = MessageToDict(msg, preserving_proto_field_name=True,
+                                         always_print_fields_with_no_presence=True)
+    return json.dumps(data, indent=2, sort_keys=True)
+
+
+def state_name(state: int) -> str:
+    return STATE_NAMES.get(state, str(state))
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f}h"
+    return f"{seconds / 86400:.0f}d"
+
+
+def machines_table(machines: list[pb.Machine]) -> str:
+    rows = [("ID", "NAME", "STATE", "CPUS", "MEMORY", "IMAGE", "AGE", "PID")]
+    now = time.time()
+    for m in machines:
+        age = _age(max(0.0, now - m.created_at.ToSeconds())) if m.HasField("created_at") else "-"
+        rows.append((m.id, m.name or "-", state_name(m.state), str(m.cpus), f"{m.memory_mib}M", m.image, age,
+                     str(m.vmm_pid or "-")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    for m in machines:
+        if m.failure_reason:
+            lines.append(f"{m.id}: failed: {m.failure_reason}")
+    return "\n".join(lines)
+
+
+def _indent_tail(text: str, prefix: str, lines: int = 20) -> list[str]:
+    tail = text.rstrip("\n").splitlines()[-lines:]
+    return [f"{prefix}| {line}" for line in tail]
+
+
+def _evidence_line(ev: pb.Evidence) -> str:
+    bits = [f"{ev.duration_ms / 1000:7.2f}s"]
+    if ev.HasField("exit_code") and "exit" not in ev.detail:
+        bits.append(f"exit {ev.exit_code}")
+    if ev.timed_out:
+        bits.append("timed out")
+    if ev.detail:
+        bits.append(ev.detail)
+    return "  ".join(bits)
+
+
+def verify_result(result: pb.VerifyResult, *, verbose: bool = False) -> list[str]:
+    lines = ["checks:"]
+    if not result.checks:
+        lines.append("  (no checks ran)")
+    width = max((len(c.name) for c in result.checks), default=0)
+    for c in result.checks:
+        mark = "pass" if c.passed else "FAIL"
+        lines.append(f"  {mark}  {c.name.ljust(width)}  {_evidence_line(c.evidence)}")
+        if (not c.passed or verbose) and c.evidence.output_tail.strip():
+            lines += _indent_tail(c.evidence.output_tail, "        ")
+    lines.append(f"image {result.image_digest or '-'}  smolfile {result.smolfile_digest or '-'}")
+    return lines
+
+
+def verify_summary(result: pb.VerifyResult) -> str:
+    passed = sum(c.passed for c in result.checks)
+    verdict = "PASS" if result.passed else "FAIL"
+    return f"{verdict}  {passed}/{len(result.checks)} checks passed ({result.duration_ms / 1000:.2f}s)"
+
+
+def run_result(resp: pb.RunResponse, *, verbose: bool = False) -> str:
+    verdict = "PASS" if resp.result.passed else "FAIL"
+    passed = sum(c.passed for c in resp.result.checks)
+    lines = [f"{verdict}  {passed}/{len(resp.result.checks)} checks passed  "
+             f"(machine {resp.machine_id or '-'}, {resp.duration_ms / 1000:.1f}s)"]
+    if resp.error:
+        lines.append(f"stopped before the verifier: {resp.error}")
+    lines.append("steps:")
+    width = max((len(s.name) for s in resp.steps), default=0)
+    for s in resp.steps:
+        lines.append(f"  {'ok  ' if s.ok else 'FAIL'}  {s.name.ljust(width)}  {_evidence_line(s.evidence)}")
+        if (not s.ok or verbose) and s.evidence.output_tail.strip():
+            lines += _indent_tail(s.evidence.output_tail, "        ")
+    lines += verify_result(resp.result, verbose=verbose)
+    return "\n".join(lines)

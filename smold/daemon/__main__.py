@@ -1,0 +1,93 @@
+"""CLI: ``smold`` / ``python -m smold.daemon``: serve the smol.v1 API until SIGTERM (see docs/daemon.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .config import (
+    DEFAULT_COPY_CAP,
+    DEFAULT_SOCKET,
+    DEFAULT_STATE_DIR,
+    DaemonConfig,
+    default_max_memory_mib,
+)
+from .errors import DaemonSetupError
+from .images import parse_image_option
+
+
+def _mode(text: str) -> int:
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an octal mode: {text!r}") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="smold", description="Run disposable microVMs for agent evaluation; serve the smol.v1 gRPC API.")
+    ap.add_argument("--socket", type=Path, default=DEFAULT_SOCKET, help=f"Unix socket to serve on ({DEFAULT_SOCKET})")
+    ap.add_argument("--socket-mode", type=_mode, default=0o660, help="the socket's permission bits (0660)")
+    ap.add_argument("--group", help="group owning the socket (name or gid); its members may use smold")
+    ap.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                    help=f"machines' state directories and the daemon lock ({DEFAULT_STATE_DIR})")
+    ap.add_argument("--max-machines", type=int, default=32, help="machines running or being created at once (32)")
+    ap.add_argument("--max-memory", type=int, default=default_max_memory_mib(), metavar="MIB",
+                    help="guest RAM of all live machines together, in MiB (default: 75%% of the host's)")
+    ap.add_argument("--max-cpus", type=int, default=64, help="vCPUs of one machine (64)")
+    ap.add_argument("--max-copy-bytes", type=int, default=DEFAULT_COPY_CAP,
+                    help=f"largest CopyIn/CopyOut content and mount archive ({DEFAULT_COPY_CAP})")
+    ap.add_argument("--destroy-grace", type=float, default=10.0, metavar="S",
+                    help="seconds between SIGTERM and SIGKILL of a VM process being destroyed (10)")
+    ap.add_argument("--keep-failed", type=int, default=16,
+                    help="failed machines kept for inspection; older ones are removed (16)")
+    ap.add_argument("--on-shutdown", choices=("destroy", "leave"), default="destroy",
+                    help="at SIGTERM: destroy every machine, or leave running ones to be re-adopted (destroy)")
+    ap.add_argument("--image", action="append", default=[], metavar="NAME=KERNEL:INITRAMFS:ROOTFS",
+                    help="add (or replace) a named image; 'default' is the built default guest otherwise")
+    ap.add_argument("--launcher", default="vmm", help=argparse.SUPPRESS)  # tests: module:attribute
+    ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+    return DaemonConfig(
+        socket_path=args.socket.absolute(), socket_mode=args.socket_mode, socket_group=args.group,
+        state_dir=args.state_dir.absolute(), max_machines=args.max_machines, max_memory_mib=args.max_memory,
+        max_cpus=args.max_cpus, copy_cap_bytes=args.max_copy_bytes, destroy_grace_s=args.destroy_grace,
+        keep_failed=args.keep_failed, on_shutdown=args.on_shutdown, launcher=args.launcher,
+        images=tuple(parse_image_option(i) for i in args.image))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("grpc").setLevel(max(logging.WARNING, logging.getLogger().level))
+    from .server import Daemon
+
+    try:
+        config = config_from_args(args)
+        config.validate()
+    except ValueError as e:
+        print(f"smold: error: {e}", file=sys.stderr)
+        return 2
+
+    async def go() -> None:
+        await Daemon(config).run()
+
+    try:
+        import uvloop
+        uvloop.run(go())
+    except (DaemonSetupError, ValueError) as e:
+        print(f"smold: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # pragma: no cover - SIGINT is handled by the loop once it runs
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The daemon's configuration: where it listens and keeps state, its limits, and its shutdown policy."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_SOCKET = Path("/run/smold/smold.sock")
+DEFAULT_STATE_DIR = Path("/var/lib/smold")
+DEFAULT_COPY_CAP = 64 * 1024 * 1024
+DEFAULT_CONSOLE_TAIL = 4096
+MAX_CONSOLE_TAIL = 1024 * 1024
+
+
+def host_memory_mib() -> int:
+    """MemTotal of this host in MiB (from /proc/meminfo; 4096 if it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 4096
+
+
+def default_max_memory_mib() -> int:
+    """Guest RAM the daemon hands out by default: 75% of the host's memory."""
+    return max(128, host_memory_mib() * 3 // 4)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything ``smold`` is told on its command line (see ``python -m smold.daemon --help``)."""
+
+    socket_path: Path = DEFAULT_SOCKET
+    socket_mode: int = 0o660
+    socket_group: str | None = None  # group name or gid owning the socket; None: the daemon's group
+    state_dir: Path = DEFAULT_STATE_DIR
+    max_machines: int = 32  # live (creating or running) machines
+    max_memory_mib: int = field(default_factory=default_max_memory_mib)  # sum over live machines
+    max_cpus: int = 64  # per machine
+    copy_cap_bytes: int = DEFAULT_COPY_CAP  # CopyIn/CopyOut content and mount archives
+    destroy_grace_s: float = 10.0  # SIGTERM -> SIGKILL
+    boot_grace_s: float = 30.0  # waited past the Smolfile's boot timeout before killing the VMM
+    keep_failed: int = 16  # failed machines kept for inspection; the oldest are removed beyond this
+    on_shutdown: str = "destroy"  # "destroy" or "leave" (re-adopted by the next daemon)
+    launcher: str = "vmm"  # "vmm" or "module:attribute" naming a Launcher factory (tests)
+    images: tuple[tuple[str, tuple[Path, Path, Path]], ...] = ()  # extra named images (--image)
+
+    @property
+    def machines_dir(self) -> Path:
+        return self.state_dir / "machines"
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first unusable setting."""
+        if not self.socket_path.is_absolute():
+            raise ValueError(f"--socket must be an absolute path (got {self.socket_path})")
+        if len(os.fsencode(self.socket_path)) > 107:
+            raise ValueError(f"--socket path is longer than a Unix socket allows: {self.socket_path}")
+        if not self.state_dir.is_absolute():
+            raise ValueError(f"--state-dir must be an absolute path (got {self.state_dir})")
+        if self.max_machines < 1:
+            raise ValueError("--max-machines must be at least 1")
+        if self.max_memory_mib < 128:
+            raise ValueError("--max-memory must be at least 128 MiB")
+        if not 1 <= self.max_cpus <= 64:
+            raise ValueError("--max-cpus must be in 1..64")
+        if self.copy_cap_bytes < 1:
+            raise ValueError("--max-copy-bytes must be positive")
+        if self.destroy_grace_s < 0 or self.boot_grace_s < 0:
+            raise ValueError("grace periods must not be negative")
+        if self.keep_failed < 0:
+            raise ValueError("--keep-failed must not be negative")
+        if self.on_shutdown not in ("destroy", "leave"):
+            raise ValueError("--on-shutdown must be 'destroy' or 'leave'")
+        if self.socket_mode & ~0o777:
+            raise ValueError(f"--socket-mode must be permission bits (got {oct(self.socket_mode)})")

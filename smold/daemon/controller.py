@@ -1,0 +1,802 @@
+"""The machine table: create, exec, copy, verify, destroy and run machines; supervise their VM processes.
+
+One VM process per machine (started by a Launcher). Phases: CREATING (VM booting, mounts copied, setup
+running) -> RUNNING -> destroyed (removed from the table); any phase -> FAILED when the VM process dies,
+boot times out or a mount/setup step fails. A failed machine keeps its state directory (console log)
+until it is destroyed. Nothing that happens to one machine takes the daemon or other machines down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import secrets
+import shutil
+import signal
+import time
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from smold.agent import AgentClient, AgentError, ExecEvent
+from smold.api.machine import MachineInfo, MachineState, RunResult, StepResult
+from smold.smolfile import (
+    Check,
+    Smolfile,
+    SmolfileError,
+    check_mount_sources,
+    digest,
+    parse_mapping,
+    to_mapping,
+)
+from smold.verifier import Evidence, VerifyResult, tail_text, verify
+
+from . import guestops
+from .config import DEFAULT_CONSOLE_TAIL, MAX_CONSOLE_TAIL, DaemonConfig
+from .errors import (
+    CreateFailedError,
+    DaemonError,
+    DestroyIncompleteError,
+    GuestUnavailableError,
+    InvalidRequestError,
+    LaunchError,
+    LimitExceededError,
+    MachineNotFoundError,
+    NameTakenError,
+    ShuttingDownError,
+    Status,
+    UnsupportedError,
+    WrongPhaseError,
+)
+from .images import ImageStore
+from .launcher import CONSOLE_FILE, EXIT_FILE, LOG_FILE, READY_FILE, Launcher, LaunchSpec, read_ready
+from .process import (
+    AdoptedProcess,
+    ExitStatus,
+    ProcessGoneError,
+    VmProcess,
+    group_members,
+    is_same_process,
+    kill_group,
+)
+from .record import MachineRecord, RecordError
+
+log = logging.getLogger("smold.controller")
+
+ID_RE = re.compile(r"m-[0-9a-f]{12}")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+TOMBSTONES = 1024          # destroyed ids remembered, to answer "was destroyed" rather than "no such machine"
+CONNECT_TIMEOUT_S = 10.0
+ADOPT_HEALTH_TIMEOUT_S = 10.0
+LIVE = (MachineState.CREATING, MachineState.RUNNING)
+
+
+@dataclass
+class Machine:
+    """One machine in the table (mutable; the controller owns it)."""
+
+    id: str
+    name: str
+    smolfile: Smolfile
+    image: str
+    image_digest: str
+    smolfile_digest: str
+    state_dir: Path
+    created_at: datetime
+    launcher: str
+    phase: MachineState = MachineState.CREATING
+    proc: VmProcess | None = None
+    ready: dict[str, Any] | None = None
+    failure_reason: str = ""
+    failed_at: float = 0.0
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_status: ExitStatus | None = None
+    watcher: asyncio.Task[None] | None = None
+    create_task: asyncio.Task[Any] | None = None
+    destroy_task: asyncio.Task[None] | None = None
+    destroy_requested: bool = False  # a Destroy arrived while creating: the create ends with an error
+
+    @property
+    def cpus(self) -> int:
+        return self.smolfile.cpus
+
+    @property
+    def memory_mib(self) -> int:
+        return self.smolfile.memory_mib
+
+    def record(self) -> MachineRecord:
+        proc = self.proc
+        return MachineRecord(
+            id=self.id, name=self.name, phase=self.phase.value, created_at=self.created_at.isoformat(),
+            cpus=self.cpus, memory_mib=self.memory_mib, image=self.image, image_digest=self.image_digest,
+            smolfile=to_mapping(self.smolfile), smolfile_digest=self.smolfile_digest,
+            base_dir=self.smolfile.base_dir, launcher=self.launcher, pid=proc.pid if proc else 0,
+            argv=list(proc.argv) if proc else [], started=proc.started if proc else None,
+            failure_reason=self.failure_reason)
+
+    def save(self) -> None:
+        with contextlib.suppress(OSError):  # the state dir may be gone (destroyed meanwhile)
+            self.record().save(self.state_dir)
+
+
+class StepFailedError(Exception):
+    """Creating a machine stopped at a failed mount or setup step (internal: Create and Run report it)."""
+
+    def __init__(self, step: StepResult) -> None:
+        super().__init__(f"{step.name} failed: {step.evidence.detail}")
+        self.step = step
+        self.machine: Machine | None = None
+
+
+class Controller:
+    """Owns every machine of this daemon. All methods run on the daemon's event loop."""
+
+    def __init__(self, config: DaemonConfig, launcher: Launcher, images: ImageStore | None = None) -> None:
+        self.config = config
+        self.launcher = launcher
+        self.images = images or ImageStore()
+        self._machines: dict[str, Machine] = {}
+        self._destroyed: OrderedDict[str, None] = OrderedDict()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closing = False
+
+    # --- start-up: re-adopt or clean up what an earlier daemon left ---------------------------------------
+    async def start(self) -> None:
+        self.config.machines_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for d in sorted(self.config.machines_dir.iterdir()):
+            if d.is_dir() and not d.is_symlink():
+                await self._adopt_or_clean(d)
+            else:
+                with contextlib.suppress(OSError):
+                    d.unlink()
+
+    async def _adopt_or_clean(self, d: Path) -> None:
+        try:
+            rec = MachineRecord.load(d)
+        except RecordError as e:
+            log.warning("removing %s: %s", d, e)
+            await asyncio.to_thread(shutil.rmtree, d, True)
+            return
+        why = ""
+        proc: AdoptedProcess | None = None
+        if rec.id != d.name:
+            why = f"record id {rec.id!r} does not match its directory"
+        elif rec.phase != MachineState.RUNNING.value:
+            why = f"it was {rec.phase} when the daemon stopped"
+        elif rec.launcher != self.launcher.kind:
+            why = f"it was started by the {rec.launcher!r} launcher, this daemon uses {self.launcher.kind!r}"
+        else:
+            try:
+                proc = AdoptedProcess(rec.pid, rec.argv, rec.started)
+            except ProcessGoneError as e:
+                why = f"its VM process is gone ({e})"
+        ready = read_ready(d / READY_FILE)
+        if proc is not None and ready is None:
+            why = "its VM process has no ready.json"
+        smolfile: Smolfile | None = None
+        if proc is not None and not why:
+            try:
+                smolfile = parse_mapping(rec.smolfile, base_dir=rec.base_dir)
+            except SmolfileError as e:
+                why = f"its recorded Smolfile no longer validates: {e}"
+        if proc is not None and not why:
+            assert ready is not None
+            try:
+                client = await asyncio.wait_for(self.launcher.connect(d, ready), ADOPT_HEALTH_TIMEOUT_S)
+                try:
+                    await asyncio.wait_for(client.health(), ADOPT_HEALTH_TIMEOUT_S)
+                finally:
+                    await client.close()
+            except (AgentError, OSError, TimeoutError) as e:
+                why = f"its guest agent does not answer ({e})"
+        if why or proc is None or smolfile is None:
+            log.info("cleaning up machine %s: %s", d.name, why)
+            if rec.pid and is_same_process(rec.pid, rec.argv, rec.started):
+                await self._kill_stray(rec.pid)
+            await asyncio.to_thread(shutil.rmtree, d, True)
+            return
+        m = Machine(
+            id=rec.id, name=rec.name, smolfile=smolfile, image=rec.image, image_digest=rec.image_digest,
+            smolfile_digest=rec.smolfile_digest, state_dir=d, created_at=datetime.fromisoformat(rec.created_at),
+            launcher=rec.launcher, phase=MachineState.RUNNING, proc=proc, ready=ready)
+        self._machines[m.id] = m
+        m.watcher = asyncio.create_task(self._watch(m))
+        log.info("re-adopted machine %s (VM process %d)", m.id, proc.pid)
+
+    @staticmethod
+    async def _kill_stray(pid: int) -> None:
+        kill_group(pid, signal.SIGKILL)
+        for _ in range(100):
+            if not group_members(pid):
+                return
+            await asyncio.sleep(0.05)
+
+    # --- queries --------------------------------------------------------------------------------------------
+    def _lookup(self, ref: str) -> Machine:
+        if not ref:
+            raise InvalidRequestError("machine_id: a machine id or name is required")
+        m = self._machines.get(ref)
+        if m is not None:
+            return m
+        for m in self._machines.values():
+            if m.name and m.name == ref:
+                return m
+        if ref in self._destroyed:
+            raise MachineNotFoundError(f"machine {ref} was destroyed")
+        raise MachineNotFoundError(f"no machine {ref!r}")
+
+    def _running(self, ref: str) -> Machine:
+        try:
+            m = self._lookup(ref)
+        except MachineNotFoundError:
+            if ref in self._destroyed:
+                raise WrongPhaseError(f"machine {ref} was destroyed") from None
+            raise
+        if m.phase is not MachineState.RUNNING:
+            reason = f": {m.failure_reason}" if m.phase is MachineState.FAILED and m.failure_reason else ""
+            raise WrongPhaseError(f"machine {m.id} is {m.phase.value}, not running{reason}")
+        return m
+
+    def info(self, m: Machine, console_bytes: int | None = None) -> MachineInfo:
+        if console_bytes is None:
+            console_bytes = DEFAULT_CONSOLE_TAIL if m.phase is MachineState.FAILED else 0
+        proc = m.proc
+        return MachineInfo(
+            id=m.id, name=m.name, state=m.phase, cpus=m.cpus, memory_mib=m.memory_mib, image=m.image,
+            created_at=m.created_at, image_digest=m.image_digest, smolfile_digest=m.smolfile_digest,
+            failure_reason=m.failure_reason,
+            console_tail=self.console_tail(m, console_bytes) if console_bytes else "",
+            vmm_pid=proc.pid if proc is not None and m.exit_status is None else 0)
+
+    def get(self, ref: str, console_bytes: int = 0) -> MachineInfo:
+        n = DEFAULT_CONSOLE_TAIL if console_bytes <= 0 else min(console_bytes, MAX_CONSOLE_TAIL)
+        return self.info(self._lookup(ref), n)
+
+    def list_machines(self) -> list[MachineInfo]:
+        return [self.info(m) for m in sorted(self._machines.values(), key=lambda m: (m.created_at, m.id))]
+
+    @staticmethod
+    def console_tail(m: Machine, limit: int) -> str:
+        """The end of the serial console log (or, for a VM process without one, of its own output)."""
+        for name in (CONSOLE_FILE, LOG_FILE):
+            path = m.state_dir / name
+            try:
+                with open(path, "rb") as f:
+                    f.seek(0, 2)
+                    size = f.tell()
+                    f.seek(max(0, size - limit))
+                    return tail_text(f.read(), limit)
+            except OSError:
+                continue
+        return ""
+
+    @property
+    def memory_in_use_mib(self) -> int:
+        return sum(m.memory_mib for m in self._machines.values() if m.phase in LIVE)
+
+    # --- create ---------------------------------------------------------------------------------------------
+    async def create(self, smolfile: Smolfile, name: str = "", filename: str = "Smolfile.toml") -> MachineInfo:
+        """Boot a machine, copy its mounts in, run its setup. CreateFailedError leaves it FAILED."""
+        steps: list[StepResult] = []
+        try:
+            m = await self._create(smolfile, name, filename, steps)
+        except StepFailedError as e:
+            mid = e.machine.id if e.machine else "?"
+            raise CreateFailedError(f"machine {mid}: {e}; it is kept as failed (see its console log) until "
+                                    "destroyed", Status.ABORTED) from None
+        return self.info(m)
+
+    def _admit(self, smolfile: Smolfile, name: str) -> None:
+        if name:
+            if not NAME_RE.fullmatch(name) or ID_RE.fullmatch(name):
+                raise InvalidRequestError(f"name: {name!r} is not a valid machine name (letters, digits, '_.-', "
+                                          "at most 63, not of the form m-<12 hex digits>)")
+            if any(m.name == name for m in self._machines.values()):
+                raise NameTakenError(f"a machine named {name!r} already exists")
+        if self._closing:
+            raise ShuttingDownError("the daemon is shutting down")
+        if smolfile.network.enabled:
+            raise UnsupportedError("network allowlists are not implemented yet: use network = \"off\"")
+        live = [m for m in self._machines.values() if m.phase in LIVE]
+        if len(live) >= self.config.max_machines:
+            raise LimitExceededError(f"machine limit reached: {len(live)} of {self.config.max_machines} "
+                                     "machines are running or being created")
+        used = self.memory_in_use_mib
+        if used + smolfile.memory_mib > self.config.max_memory_mib:
+            raise LimitExceededError(
+                f"memory limit reached: {smolfile.memory_mib} MiB requested, {used} of "
+                f"{self.config.max_memory_mib} MiB in use")
+
+    async def _create(self, smolfile: Smolfile, name: str, filename: str, steps: list[StepResult]) -> Machine:
+        await asyncio.to_thread(check_mount_sources, smolfile, filename=filename)
+        self._admit(smolfile, name)  # fail fast before resolving the image (which may hash files)
+        image = await self.images.resolve(smolfile.image)
+        self._admit(smolfile, name)  # again: no await between this check and the insert below
+        mid = f"m-{secrets.token_hex(6)}"
+        m = Machine(
+            id=mid, name=name, smolfile=smolfile, image=image.name, image_digest=image.digest,
+            smolfile_digest=digest(smolfile), state_dir=self.config.machines_dir / mid,
+            created_at=datetime.now(UTC), launcher=self.launcher.kind)
+        self._machines[mid] = m
+        m.create_task = asyncio.current_task()
+        try:
+            await self._boot(m, image, steps)
+            await self._provision(m, steps)
+        except asyncio.CancelledError:
+            if m.destroy_requested:  # DestroyMachine cancelled us: report that rather than a cancellation
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                raise CreateFailedError(f"machine {mid} was destroyed while being created", Status.ABORTED) from None
+            self._destroy_task(m)  # the client went away: nobody will use this machine
+            raise
+        except StepFailedError as e:
+            e.machine = m
+            await self._fail(m, f"machine {mid}: {e}")
+            raise
+        except CreateFailedError as e:
+            e.machine_id = mid
+            await self._fail(m, str(e))
+            raise
+        except Exception as e:
+            log.exception("creating machine %s failed", mid)
+            await self._fail(m, f"internal error while creating: {e!r}")
+            raise CreateFailedError(f"machine {mid}: internal error while creating: {e!r}", Status.INTERNAL) from e
+        finally:
+            m.create_task = None
+        m.phase = MachineState.RUNNING
+        m.save()
+        log.info("machine %s running (%d cpus, %d MiB)", mid, m.cpus, m.memory_mib)
+        return m
+
+    async def _boot(self, m: Machine, image: Any, steps: list[StepResult]) -> None:
+        start = time.monotonic()
+        await asyncio.to_thread(m.state_dir.mkdir, 0o700)
+        m.save()
+        boot_timeout = m.smolfile.timeouts.boot
+        spec = LaunchSpec(machine_id=m.id, state_dir=m.state_dir, image=image, cpus=m.cpus,
+                          memory_mib=m.memory_mib, hostname=_hostname(m), boot_timeout=boot_timeout)
+        try:
+            proc = await self.launcher.spawn(spec)
+        except LaunchError as e:
+            raise CreateFailedError(f"machine {m.id}: {e}", Status.INTERNAL) from None
+        m.proc = proc
+        m.save()
+        m.watcher = asyncio.create_task(self._watch(m))
+        ready_task = asyncio.ensure_future(self.launcher.wait_ready(spec, proc))
+        exited_task = asyncio.ensure_future(m.exited.wait())
+        try:
+            done, _ = await asyncio.wait({ready_task, exited_task}, timeout=boot_timeout + self.config.boot_grace_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready_task.cancel()
+            exited_task.cancel()
+        seconds = time.monotonic() - start
+        if ready_task in done and not ready_task.cancelled() and ready_task.exception() is None:
+            m.ready = ready_task.result()
+            steps.append(StepResult("boot", True, Evidence(
+                duration_ms=round(seconds * 1000), detail=f"guest agent ready after {seconds:.1f}s")))
+            return
+        if ready_task in done and ready_task.exception() is not None:
+            exc = ready_task.exception()
+            timed_out = isinstance(exc, LaunchError) and exc.timed_out
+            raise CreateFailedError(f"machine {m.id}: boot failed: {exc}",
+                                    Status.DEADLINE_EXCEEDED if timed_out else Status.INTERNAL)
+        if exited_task in done:
+            reason = self._exit_reason(m)
+            status = Status.DEADLINE_EXCEEDED if "boot timeout" in reason else Status.INTERNAL
+            raise CreateFailedError(f"machine {m.id}: boot failed: {reason}", status)
+        raise CreateFailedError(f"machine {m.id}: boot timed out: the guest agent did not answer within "
+                                f"{boot_timeout:g}s", Status.DEADLINE_EXCEEDED)
+
+    async def _provision(self, m: Machine, steps: list[StepResult]) -> None:
+        """Copy the mounts in, then run the setup commands within the setup timeout."""
+        sf = m.smolfile
+        if not sf.mounts and not sf.setup:
+            return
+        async with self._agent(m) as client:
+            for i, mount in enumerate(sf.mounts):
+                step = await self._copy_mount(m, client, i, sf.host_path(mount), mount.guest)
+                steps.append(step)
+                if not step.ok:
+                    raise StepFailedError(step)
+            deadline = time.monotonic() + sf.timeouts.setup
+            for i, cmd in enumerate(sf.setup):
+                left = deadline - time.monotonic()
+                budget = min(cmd.timeout, left) if cmd.timeout is not None else left
+                step = await guestops.run_step(client, f"setup[{i}]", cmd.argv, env=sf.environ, cwd=cmd.cwd,
+                                               user=cmd.user, timeout=budget)
+                steps.append(step)
+                if not step.ok:
+                    raise StepFailedError(step)
+
+    async def _copy_mount(self, m: Machine, client: AgentClient, index: int, src: Path, dest: str) -> StepResult:
+        name = f"mount[{index}]"
+        start = time.monotonic()
+
+        def step(ok: bool, detail: str) -> StepResult:
+            return StepResult(name, ok, Evidence(duration_ms=round((time.monotonic() - start) * 1000), detail=detail))
+
+        cap = self.config.copy_cap_bytes
+        try:
+            if src.is_dir():
+                archive = await asyncio.to_thread(guestops.pack_tree, src, cap)
+                await guestops.unpack_in_guest(client, m.id, archive, dest)
+                return step(True, f"copied directory {src} to {dest} ({len(archive)} bytes of tar)")
+            data = await asyncio.to_thread(_read_capped, src, cap)
+            mode = await asyncio.to_thread(guestops.host_file_mode, src)
+            try:
+                await client.write_file(dest, data, mode=mode & 0o777, mkdirs=True)
+            except AgentError as e:
+                raise guestops.guest_error(e, m.id) from None
+            return step(True, f"copied file {src} to {dest} ({len(data)} bytes)")
+        except (DaemonError, OSError) as e:
+            return step(False, f"copying {src} to {dest}: {e}")
+
+    # --- supervision -----------------------------------------------------------------------------------------
+    async def _watch(self, m: Machine) -> None:
+        """Wait for the VM process to end; unless the machine is being destroyed, that makes it FAILED."""
+        assert m.proc is not None
+        try:
+            m.exit_status = await m.proc.wait()
+        except Exception as e:  # never let supervision die silently
+            log.exception("watching machine %s failed", m.id)
+            m.exit_status = ExitStatus(None)
+            m.failure_reason = m.failure_reason or f"lost track of the VM process: {e!r}"
+        m.exited.set()
+        if m.phase in (MachineState.STOPPING, MachineState.FAILED) or self._closing:
+            return
+        reason = self._exit_reason(m)
+        log.warning("machine %s failed: %s", m.id, reason)
+        self._mark_failed(m, reason)
+
+    def _exit_reason(self, m: Machine) -> str:
+        """Why the VM process ended: its exit status and what it wrote to exit.json."""
+        st = m.exit_status.describe() if m.exit_status else "ended"
+        text = f"VM process {m.proc.pid if m.proc else '?'} {st}"
+        try:
+            info = json.loads((m.state_dir / EXIT_FILE).read_text())
+        except (OSError, ValueError):
+            info = None
+        if isinstance(info, dict):
+            bits = [str(info.get(k)) for k in ("kind", "detail") if info.get(k)]
+            if info.get("error"):
+                bits.append(str(info["error"]).splitlines()[0])
+            if bits:
+                text += ": " + ": ".join(bits)
+        return text
+
+    def _mark_failed(self, m: Machine, reason: str) -> None:
+        m.phase = MachineState.FAILED
+        m.failure_reason = reason
+        m.failed_at = time.monotonic()
+        if m.proc is not None and m.exit_status is not None:
+            m.proc.kill_group(signal.SIGKILL)  # whatever the VM process left behind
+        for name in ("vsock.sock", "agent.sock", READY_FILE):
+            with contextlib.suppress(OSError):
+                (m.state_dir / name).unlink()
+        m.save()
+        tail = self.console_tail(m, 2048).rstrip()
+        if tail:
+            log.warning("machine %s console tail:\n%s", m.id, tail)
+        self._evict_failed()
+
+    async def _fail(self, m: Machine, reason: str) -> None:
+        """Creation failed: stop the VM process (if it still runs) and keep the machine as FAILED."""
+        if m.phase in (MachineState.STOPPING, MachineState.FAILED):
+            return
+        m.phase = MachineState.FAILED  # before stopping it, so the watcher does not report the exit
+        await self._stop_process(m)
+        self._mark_failed(m, reason)
+
+    def _evict_failed(self) -> None:
+        failed = sorted((m for m in self._machines.values() if m.phase is MachineState.FAILED),
+                        key=lambda m: m.failed_at)
+        for m in failed[: max(0, len(failed) - self.config.keep_failed)]:
+            self._destroy_task(m)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_log_task_error)
+        return task
+
+    # --- guest operations -------------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _agent(self, m: Machine) -> AsyncIterator[AgentClient]:
+        """A fresh connection to the machine's guest agent for one request (closed afterwards)."""
+        if m.ready is None:
+            raise GuestUnavailableError(f"machine {m.id}: the guest agent is not ready")
+        try:
+            client = await asyncio.wait_for(self.launcher.connect(m.state_dir, m.ready, CONNECT_TIMEOUT_S),
+                                            CONNECT_TIMEOUT_S + 1)
+        except (AgentError, OSError, TimeoutError) as e:
+            raise await self._unavailable(m, f"cannot reach the guest agent: {e}") from None
+        try:
+            yield client
+        finally:
+            await client.close()
+
+    async def _unavailable(self, m: Machine, what: str) -> DaemonError:
+        """The error for a guest that stopped answering; names the failure if the VM process just died."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(m.exited.wait(), 1.0)
+        if m.exited.is_set():
+            return GuestUnavailableError(f"machine {m.id} failed: {m.failure_reason or self._exit_reason(m)}")
+        return GuestUnavailableError(f"machine {m.id}: {what}")
+
+    async def _guest_error(self, m: Machine, e: AgentError) -> DaemonError:
+        from smold.agent import AgentRequestError
+        if isinstance(e, AgentRequestError):
+            return guestops.guest_error(e, m.id)
+        return await self._unavailable(m, f"lost the guest agent: {e}")
+
+    async def exec(
+        self,
+        ref: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str = "",
+        user: str = "",
+        stdin: bytes = b"",
+        timeout: float | None = None,
+    ) -> AsyncGenerator[ExecEvent, None]:
+        """Stream one command's output events, then its exit. Closing the iterator kills the command."""
+        if not argv:
+            raise InvalidRequestError("argv: at least the program to run is required")
+        for what, values in (("argv", argv), ("env", [*(env or {}), *(env or {}).values()]), ("cwd", [cwd]),
+                             ("user", [user])):
+            if any("\0" in v for v in values):
+                raise InvalidRequestError(f"{what}: must not contain NUL bytes")
+        if cwd:
+            guestops.validate_guest_path(cwd, what="cwd", allow_root=True)
+        if timeout is not None and not 0 < timeout <= 86400:
+            raise InvalidRequestError(f"timeout_seconds: must be more than 0 and at most 86400 (got {timeout})")
+        m = self._running(ref)
+        merged = {**m.smolfile.environ, **(env or {})}
+        async with self._agent(m) as client:
+            stream = client.exec(list(argv), env=merged or None, cwd=cwd or None, user=user or None,
+                                 stdin=stdin or None, timeout=timeout)
+            try:
+                try:
+                    await stream.start()
+                except AgentError as e:
+                    raise await self._guest_error(m, e) from None
+                while True:
+                    try:
+                        event = await stream.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    except AgentError as e:
+                        raise await self._guest_error(m, e) from None
+                    yield event
+            finally:
+                await stream.aclose()  # SIGKILLs the process group if the command still runs
+
+    async def copy_in(self, ref: str, path: str, content: bytes, *, tar: bool = False, mode: int | None = None,
+                      mkdirs: bool = False) -> int:
+        """Write one file (or unpack a tar archive into a directory) in the guest; returns the bytes taken."""
+        guestops.validate_guest_path(path, allow_root=tar)
+        cap = self.config.copy_cap_bytes
+        if len(content) > cap:
+            raise LimitExceededError(f"content is {len(content)} bytes, more than the copy cap of {cap} bytes")
+        if mode is not None and not 0 <= mode <= 0o7777:
+            raise InvalidRequestError(f"mode: must be permission bits, at most 0o7777 (got {oct(mode)})")
+        if tar:
+            await asyncio.to_thread(guestops.check_tar, content)
+        m = self._running(ref)
+        async with self._agent(m) as client:
+            if tar:
+                await guestops.unpack_in_guest(client, m.id, content, path)
+                return len(content)
+            try:
+                return await client.write_file(path, content, mode=0o644 if mode is None else mode, mkdirs=mkdirs)
+            except AgentError as e:
+                raise await self._guest_error(m, e) from None
+
+    async def copy_out(self, ref: str, path: str, *, tar: bool = False, max_size: int = 0) -> bytes:
+        """Read one file (or a directory as a tar archive) from the guest, up to min(max_size, copy cap)."""
+        guestops.validate_guest_path(path, allow_root=tar)
+        cap = self.config.copy_cap_bytes if max_size <= 0 else min(max_size, self.config.copy_cap_bytes)
+        m = self._running(ref)
+        async with self._agent(m) as client:
+            if tar:
+                return await guestops.pack_in_guest(client, m.id, path, cap)
+            try:
+                return await client.read_file(path, cap)
+            except AgentError as e:
+                err = await self._guest_error(m, e)
+                if err.status is Status.RESOURCE_EXHAUSTED:
+                    raise LimitExceededError(f"{path} in machine {m.id} is larger than {cap} bytes") from None
+                raise err from None
+
+    async def verify(self, ref: str, checks: Sequence[Check] | None = None) -> VerifyResult:
+        """Run the given checks, or the machine's Smolfile verifier, against its current state."""
+        m = self._running(ref)
+        return await self._verify(m, checks)
+
+    async def _verify(self, m: Machine, checks: Sequence[Check] | None = None) -> VerifyResult:
+        sf = m.smolfile
+        async with self._agent(m) as client:
+            return await verify(client, sf.checks if checks is None else checks, env=sf.environ or None,
+                                timeout=sf.timeouts.verify, image_digest=m.image_digest,
+                                smolfile_digest=m.smolfile_digest)
+
+    # --- destroy ----------------------------------------------------------------------------------------------
+    async def destroy(self, ref: str) -> None:
+        """Stop the machine and remove its process, sockets and files; idempotent for destroyed ids."""
+        try:
+            m = self._lookup(ref)
+        except MachineNotFoundError:
+            if ref in self._destroyed:
+                return
+            raise
+        await asyncio.shield(self._destroy_task(m))
+
+    def _destroy_task(self, m: Machine) -> asyncio.Task[None]:
+        """The machine's one destroy task (started if none runs; a failed one is retried)."""
+        if m.destroy_task is None or m.destroy_task.done():
+            m.destroy_task = self._spawn(self._destroy(m))
+        return m.destroy_task
+
+    async def _destroy(self, m: Machine) -> None:
+        m.phase = MachineState.STOPPING
+        if m.create_task is not None and not m.create_task.done():
+            m.destroy_requested = True
+            m.create_task.cancel()
+        await self._stop_process(m)
+        await asyncio.to_thread(shutil.rmtree, m.state_dir, True)
+        leftovers = self._leftovers(m)
+        if leftovers:
+            m.phase = MachineState.FAILED
+            m.failure_reason = "destroy incomplete: " + "; ".join(leftovers)
+            m.failed_at = time.monotonic()
+            log.error("machine %s: %s", m.id, m.failure_reason)
+            raise DestroyIncompleteError(f"machine {m.id}: {m.failure_reason}")
+        if m.watcher is not None and not m.watcher.done():
+            m.watcher.cancel()
+        self._machines.pop(m.id, None)
+        self._destroyed[m.id] = None
+        while len(self._destroyed) > TOMBSTONES:
+            self._destroyed.popitem(last=False)
+        log.info("machine %s destroyed", m.id)
+
+    async def _stop_process(self, m: Machine) -> None:
+        """SIGTERM the VM process, SIGKILL its group after the grace period, wait for it to end."""
+        proc = m.proc
+        if proc is None or m.watcher is None:
+            return
+        if not m.exited.is_set():
+            proc.signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(m.exited.wait()), self.config.destroy_grace_s)
+            except TimeoutError:
+                log.warning("machine %s: VM process %d ignored SIGTERM for %gs, killing it", m.id, proc.pid,
+                            self.config.destroy_grace_s)
+                proc.kill_group(signal.SIGKILL)
+                proc.signal(signal.SIGKILL)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(m.exited.wait()), 10)
+        proc.kill_group(signal.SIGKILL)
+        for _ in range(40):  # group members may take a moment to die after SIGKILL
+            if not group_members(proc.pid):
+                break
+            await asyncio.sleep(0.05)
+
+    def _leftovers(self, m: Machine) -> list[str]:
+        """What of the machine still exists on the host (should be nothing after destroy)."""
+        out = []
+        if m.proc is not None:
+            if not m.exited.is_set():
+                out.append(f"VM process {m.proc.pid} still runs")
+            members = group_members(m.proc.pid)
+            if members:
+                out.append(f"processes {members} of its group still run")
+        if m.state_dir.exists():
+            out.append(f"{m.state_dir} still exists")
+        return out
+
+    # --- run ----------------------------------------------------------------------------------------------------
+    async def run(self, smolfile: Smolfile, name: str = "", filename: str = "Smolfile.toml") -> RunResult:
+        """Create, copy mounts, set up, run the task, verify, destroy (always); only the result comes back."""
+        start = time.monotonic()
+        steps: list[StepResult] = []
+        sdigest = digest(smolfile)
+        m: Machine | None = None
+        try:
+            try:
+                m = await self._create(smolfile, name, filename, steps)
+            except CreateFailedError as e:  # could not boot: an error, not a result; nothing is kept
+                gone = self._machines.get(e.machine_id)
+                if gone is not None:
+                    await self._destroy_quietly(gone)
+                raise
+            except StepFailedError as e:
+                failed = e.machine
+                if failed is not None:
+                    await self._destroy_quietly(failed)
+                empty = VerifyResult(False, (), failed.image_digest if failed else "", sdigest, 0)
+                return RunResult(empty, tuple(steps), failed.id if failed else "", error=str(e),
+                                 duration_ms=_ms_since(start))
+            sf = smolfile
+            if sf.task is not None:
+                cmd = sf.task
+                budget = min(cmd.timeout, sf.timeouts.task) if cmd.timeout is not None else sf.timeouts.task
+                try:
+                    async with self._agent(m) as client:
+                        steps.append(await guestops.run_step(client, "task", cmd.argv, env=sf.environ, cwd=cmd.cwd,
+                                                             user=cmd.user, timeout=budget))
+                except GuestUnavailableError as e:
+                    steps.append(StepResult("task", False, Evidence(detail=str(e))))
+            try:
+                result = await self._verify(m)
+            except GuestUnavailableError as e:
+                result = VerifyResult(False, (), m.image_digest, sdigest, 0)
+                return RunResult(result, tuple(steps), m.id, error=f"verify: {e}", duration_ms=_ms_since(start))
+            return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start))
+        finally:
+            if m is not None:
+                await self._destroy_quietly(m)
+
+    async def _destroy_quietly(self, m: Machine) -> None:
+        """Destroy, even if the caller is being cancelled; a failure is logged (the machine stays FAILED)."""
+        try:
+            await asyncio.shield(self._destroy_task(m))
+        except DaemonError as e:
+            log.error("%s", e)
+
+    # --- shutdown -----------------------------------------------------------------------------------------------
+    def stop_admitting(self) -> None:
+        """Refuse new machines from now on (the daemon is shutting down)."""
+        self._closing = True
+
+    async def shutdown(self, leave: bool) -> None:
+        """Destroy every machine, or (leave) keep running ones for the next daemon to re-adopt."""
+        self._closing = True
+        # Destroys already under way (e.g. of Runs cancelled by the server's stop) finish first.
+        busy = [m.destroy_task for m in self._machines.values() if m.destroy_task and not m.destroy_task.done()]
+        await asyncio.gather(*busy, return_exceptions=True)
+        victims = [m for m in self._machines.values() if not leave or m.phase is not MachineState.RUNNING]
+        results = await asyncio.gather(*(self._destroy_quietly(m) for m in victims), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                log.error("destroy during shutdown failed: %r", r)
+        for m in list(self._machines.values()):
+            if m.watcher is not None:
+                m.watcher.cancel()
+            m.save()
+            if leave and m.phase is MachineState.RUNNING:
+                log.info("leaving machine %s running (VM process %s)", m.id, m.proc.pid if m.proc else "?")
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _hostname(m: Machine) -> str:
+    base = m.name or m.id
+    return re.sub(r"[^a-z0-9-]", "-", base.lower()).strip("-")[:63] or m.id
+
+
+def _read_capped(path: Path, cap: int) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise LimitExceededError(f"{path}: larger than the copy cap of {cap} bytes")
+    return data
+
+
+def _ms_since(start: float) -> int:
+    return max(0, round((time.monotonic() - start) * 1000))
+
+
+def _log_task_error(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None and not isinstance(task.exception(), DaemonError):
+        log.error("background task failed: %r", task.exception())

@@ -1,0 +1,145 @@
+"""How a VM process is started, how its readiness is seen and how its guest agent is reached (the VMM launcher).
+
+A Launcher is the one place that knows what a "VM process" is. The controller asks it for the command
+line (``command``), starts that in its own session (``spawn``), waits for ``ready.json`` in the machine's
+state directory (``wait_ready``) and reaches the guest agent through ``connect``. Booting from a baked
+snapshot instead of a cold boot only changes ``VmmLauncher.command``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import importlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from smold.agent import AgentClient, connect_vsock_uds
+
+from .errors import LaunchError
+from .images import Image
+from .process import ChildProcess
+
+READY_FILE = "ready.json"   # written by the VM process once its guest agent answers (removed at exit)
+EXIT_FILE = "exit.json"     # written by the VMM when it ends: {kind, detail, error, exit_code}
+CONSOLE_FILE = "console.log"
+LOG_FILE = "vmm.log"        # the VM process's stdout and stderr
+READY_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to start: one machine's VM with its image, size and state directory."""
+
+    machine_id: str
+    state_dir: Path
+    image: Image
+    cpus: int
+    memory_mib: int
+    hostname: str
+    boot_timeout: float
+
+
+class Launcher(abc.ABC):
+    """Starts VM processes and connects to their guest agents."""
+
+    kind: str = "abstract"
+
+    @abc.abstractmethod
+    def command(self, spec: LaunchSpec) -> list[str]:
+        """The VM process's argv (also what a restarted daemon compares /proc/PID/cmdline against)."""
+
+    async def spawn(self, spec: LaunchSpec) -> ChildProcess:
+        """Start the VM process in its own session, output to ``vmm.log``; returns at once."""
+        argv = self.command(spec)
+        log = os.open(spec.state_dir / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+        try:
+            popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=spec.state_dir,
+                                     start_new_session=True, env=self.environment(), close_fds=True)
+        except OSError as e:
+            raise LaunchError(f"cannot start the VM process {argv[0]}: {e}") from e
+        finally:
+            os.close(log)
+        return ChildProcess(popen, argv)
+
+    def environment(self) -> dict[str, str]:
+        """The VM process's environment (the daemon's, without the systemd notification socket)."""
+        env = dict(os.environ)
+        env.pop("NOTIFY_SOCKET", None)
+        return env
+
+    async def wait_ready(self, spec: LaunchSpec, proc: ChildProcess) -> dict[str, Any]:
+        """Poll for ``ready.json`` until it holds a JSON object; the caller bounds this with a deadline
+        and races it against the process's exit."""
+        path = spec.state_dir / READY_FILE
+        while True:
+            info = read_ready(path)
+            if info is not None:
+                return info
+            await asyncio.sleep(READY_POLL_S)
+
+    @abc.abstractmethod
+    async def connect(self, state_dir: Path, ready: dict[str, Any], timeout: float = 10.0) -> AgentClient:
+        """A new connection to the machine's guest agent (HELLO done)."""
+
+
+def read_ready(path: Path) -> dict[str, Any] | None:
+    """The ready file's JSON object, or None while it is missing or incomplete."""
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+class VmmLauncher(Launcher):
+    """One ``python -m smold.vmm`` process per VM, cold-booting the image (smold/vmm/__main__.py)."""
+
+    kind = "vmm"
+
+    def __init__(self, python: str = sys.executable) -> None:
+        self.python = python
+
+    def command(self, spec: LaunchSpec) -> list[str]:
+        d = spec.state_dir
+        return [
+            self.python, "-m", "smold.vmm",
+            "--kernel", str(spec.image.kernel),
+            "--initramfs", str(spec.image.initramfs),
+            "--rootfs", str(spec.image.rootfs),
+            "--cpus", str(spec.cpus),
+            "--memory", str(spec.memory_mib),
+            "--state-dir", str(d),
+            "--console-log", str(d / CONSOLE_FILE),
+            "--boot-timeout", f"{spec.boot_timeout:g}",
+            "--hostname", spec.hostname,
+        ]
+
+    async def connect(self, state_dir: Path, ready: dict[str, Any], timeout: float = 10.0) -> AgentClient:
+        path = str(ready.get("vsock_path") or state_dir / "vsock.sock")
+        port = int(ready.get("agent_port", 1024))
+        return await connect_vsock_uds(path, port, timeout=timeout)
+
+
+def load_launcher(name: str) -> Launcher:
+    """``vmm``, or ``module:attribute`` naming a Launcher subclass or a factory returning one (tests)."""
+    if name == "vmm":
+        return VmmLauncher()
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--launcher must be 'vmm' or 'module:attribute' (got {name!r})")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--launcher {name!r}: {e}") from None
+    if not callable(factory):
+        raise ValueError(f"--launcher {name!r} did not give a Launcher (got {type(factory).__name__})")
+    launcher = factory()
+    if not isinstance(launcher, Launcher):
+        raise ValueError(f"--launcher {name!r} did not give a Launcher (got {type(launcher).__name__})")
+    return launcher

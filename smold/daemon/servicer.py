@@ -1,0 +1,136 @@
+"""The smol.v1.Smol gRPC servicer: proto -> dataclass -> controller -> proto, errors as gRPC status codes."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from smold.api import convert
+from smold.api.v1 import smol_pb2 as pb
+from smold.api.v1 import smol_pb2_grpc as pb_grpc
+from smold.smolfile import Limits, Smolfile, SmolfileError
+
+from .controller import Controller
+from .errors import DaemonError
+
+log = logging.getLogger("smold.servicer")
+T = TypeVar("T")
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], e: Exception) -> NoReturn:
+    if isinstance(e, DaemonError):
+        code = grpc.StatusCode[e.status.name]
+    elif isinstance(e, SmolfileError | convert.ConversionError):
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    else:
+        log.exception("internal error", exc_info=e)
+        code, e = grpc.StatusCode.INTERNAL, Exception(f"internal error: {e!r}")
+    await context.abort(code, str(e))
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class SmolServicer(pb_grpc.SmolServicer):
+    """Thin: every method converts, calls the controller and converts back."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    @property
+    def limits(self) -> Limits:
+        c = self.controller.config
+        return Limits(max_memory_mib=c.max_memory_mib, max_cpus=c.max_cpus)
+
+    async def _call(self, context: grpc.aio.ServicerContext[Any, Any], fn: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await fn()
+        except (DaemonError, SmolfileError, convert.ConversionError) as e:
+            await _abort(context, e)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            await _abort(context, e)
+
+    def _smolfile(self, msg: pb.Smolfile) -> tuple[Smolfile, str]:
+        sf = convert.smolfile_from_proto(msg, limits=self.limits)
+        which = msg.WhichOneof("source")
+        filename = (msg.toml.filename or "Smolfile.toml") if which == "toml" else convert.INLINE_SPEC
+        return sf, filename
+
+    async def CreateMachine(self, request: pb.CreateMachineRequest, context: Any) -> pb.CreateMachineResponse:
+        async def go() -> pb.CreateMachineResponse:
+            sf, filename = self._smolfile(request.smolfile)
+            info = await self.controller.create(sf, request.name, filename)
+            return pb.CreateMachineResponse(machine=convert.machine_to_proto(info))
+        return await self._call(context, go)
+
+    async def GetMachine(self, request: pb.GetMachineRequest, context: Any) -> pb.GetMachineResponse:
+        async def go() -> pb.GetMachineResponse:
+            info = self.controller.get(request.machine_id, request.console_tail_bytes)
+            return pb.GetMachineResponse(machine=convert.machine_to_proto(info))
+        return await self._call(context, go)
+
+    async def ListMachines(self, request: pb.ListMachinesRequest, context: Any) -> pb.ListMachinesResponse:
+        async def go() -> pb.ListMachinesResponse:
+            return pb.ListMachinesResponse(
+                machines=[convert.machine_to_proto(m) for m in self.controller.list_machines()])
+        return await self._call(context, go)
+
+    async def Exec(self, request: pb.ExecRequest, context: Any) -> AsyncIterator[pb.ExecResponse]:
+        events = self.controller.exec(
+            request.machine_id, list(request.argv), env=dict(request.env), cwd=request.cwd, user=request.user,
+            stdin=request.stdin, timeout=request.timeout_seconds if request.HasField("timeout_seconds") else None)
+        # aclosing: when the client goes away this generator is cancelled, and closing the controller's
+        # generator kills the command in the guest.
+        async with contextlib.aclosing(events):
+            try:
+                async for event in events:
+                    yield convert.exec_event_to_proto(event)
+            except (DaemonError, SmolfileError, convert.ConversionError) as e:
+                await _abort(context, e)
+
+    async def CopyIn(self, request: pb.CopyInRequest, context: Any) -> pb.CopyInResponse:
+        async def go() -> pb.CopyInResponse:
+            size = await self.controller.copy_in(
+                request.machine_id, request.path, request.content, tar=request.format == pb.COPY_FORMAT_TAR,
+                mode=request.mode if request.HasField("mode") else None, mkdirs=request.mkdirs)
+            return pb.CopyInResponse(size_bytes=size)
+        return await self._call(context, go)
+
+    async def CopyOut(self, request: pb.CopyOutRequest, context: Any) -> pb.CopyOutResponse:
+        async def go() -> pb.CopyOutResponse:
+            data = await self.controller.copy_out(request.machine_id, request.path,
+                                                  tar=request.format == pb.COPY_FORMAT_TAR,
+                                                  max_size=request.max_size_bytes)
+            return pb.CopyOutResponse(content=data, size_bytes=len(data))
+        return await self._call(context, go)
+
+    async def Verify(self, request: pb.VerifyRequest, context: Any) -> pb.VerifyResponse:
+        async def go() -> pb.VerifyResponse:
+            checks = convert.checks_from_proto(request.checks) if len(request.checks) else None
+            result = await self.controller.verify(request.machine_id, checks)
+            return pb.VerifyResponse(result=convert.verify_result_to_proto(result))
+        return await self._call(context, go)
+
+    async def DestroyMachine(self, request: pb.DestroyMachineRequest, context: Any) -> pb.DestroyMachineResponse:
+        async def go() -> pb.DestroyMachineResponse:
+            await self.controller.destroy(request.machine_id)
+            return pb.DestroyMachineResponse()
+        return await self._call(context, go)
+
+    async def Run(self, request: pb.RunRequest, context: Any) -> pb.RunResponse:
+        async def go() -> pb.RunResponse:
+            sf, filename = self._smolfile(request.smolfile)
+            return convert.run_result_to_proto(await self.controller.run(sf, request.name, filename))
+        return await self._call(context, go)
+
+    async def Fork(self, request: pb.ForkRequest, context: Any) -> pb.ForkResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Fork is not implemented yet (it needs snapshots)")
+        raise AssertionError("unreachable")
+
+    async def Snapshot(self, request: pb.SnapshotRequest, context: Any) -> pb.SnapshotResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Snapshot is not implemented yet")
+        raise AssertionError("unreachable")

@@ -1,0 +1,31 @@
+"""Typed errors of the snapshot package: every rejected snapshot raises a SnapshotError subclass."""
+
+from __future__ import annotations
+
+
+class SnapshotError(Exception):
+    """A snapshot could not be written, read or restored."""
+
+
+class SnapshotFormatError(SnapshotError):
+    """The state file is not a well-formed snapshot (bad magic, header, JSON or field types)."""
+
+
+class SnapshotVersionError(SnapshotFormatError):
+    """The state file was written in a format version this VMM does not read."""
+
+
+class SnapshotTruncatedError(SnapshotFormatError):
+    """The state file (or memory file) is shorter than its header says."""
+
+
+class SnapshotTooLargeError(SnapshotFormatError):
+    """The state section is larger than the size cap: refused before it is read."""
+
+
+class SnapshotChecksumError(SnapshotFormatError):
+    """The sha256 over header and state does not match: the file was corrupted or tampered with."""
+
+
+class SnapshotCompatError(SnapshotError):
+    """A well-formed snapshot that does not fit this host or configuration (disk size, CPU, memory)."""

@@ -1,0 +1,216 @@
+"""smold end to end with real microVMs: Run of both examples, supervision, kill -9, restart, destroy.
+
+Boots four VMs in all, never more than two at once (cpus=1, 512 MiB each): on an emulated-KVM (PVM) host
+one boot to agent-ready takes minutes and a whole host core, so every boot here is made to count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from smold.images.artifacts import Artifacts, default_artifacts
+
+pytestmark = [pytest.mark.kvm, pytest.mark.linux, pytest.mark.timeout(1800)]
+
+REPO = Path(__file__).resolve().parents[2]
+VM_SMOLFILE = """
+image = "default"
+cpus = 1
+memory = "512M"
+[timeouts]
+boot = 900
+[[verifier.checks]]
+kind = "file_matches"
+path = "/root/hello.txt"
+content = "hello\\n"
+"""
+
+
+class Daemon:
+    """``python -m smold.daemon`` with the real VMM launcher on a temp socket and state dir."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.socket = workdir / "smold.sock"
+        self.state = workdir / "state"
+        self.log = workdir / "smold.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Daemon:
+        argv = [sys.executable, "-m", "smold.daemon", "--socket", str(self.socket), "--state-dir", str(self.state),
+                "--max-machines", "2", "--max-memory", "1024", "--log-level", "debug"]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not self.socket.exists():
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, "smold did not start"
+            time.sleep(0.1)
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def terminate(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(300)
+
+    def smolctl(self, *args: str, timeout: float = 1500) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(self.smolctl_argv(*args), capture_output=True, timeout=timeout,
+                              env={**os.environ, "SMOL_SOCKET": str(self.socket)})
+
+    def smolctl_argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "smolctl", "--socket", str(self.socket), *args]
+
+
+def vmm_processes(path: Path) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"smold.vmm" in cmdline and str(path).encode() in cmdline:
+                found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def sockets_under(path: Path) -> list[str]:
+    with open("/proc/net/unix") as f:
+        return [ln.split()[7] for ln in list(f)[1:] if len(ln.split()) >= 8 and ln.split()[7].startswith(str(path))]
+
+
+@pytest.fixture(scope="module")
+def artifacts() -> Artifacts:
+    return default_artifacts(build=True)  # built by .ci/run beforehand; building here is the slow fallback
+
+
+@pytest.fixture(scope="module")
+def workdir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="smit-", dir="/tmp"))
+    yield d
+    for pid in vmm_processes(d):
+        os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def daemon(artifacts: Artifacts, workdir: Path) -> Iterator[Daemon]:
+    d = Daemon(workdir).start()
+    yield d
+    code = d.terminate()
+    assert code == 0, d.log.read_text()[-4000:]
+    assert vmm_processes(workdir) == []
+
+
+def test_run_passing_and_failing_examples(daemon: Daemon) -> None:
+    """Both examples at once (two VMs): PASS with exit 0, FAIL with exit 1 and the failing checks' evidence."""
+    t0 = time.monotonic()
+    procs = {name: subprocess.Popen(daemon.smolctl_argv("run", "--json", str(REPO / "examples" / name)),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for name in ("hello-pass", "hello-fail")}
+    results = {}
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=1500)
+        results[name] = (p.returncode, out, err)
+    wall = time.monotonic() - t0
+    code, out, err = results["hello-pass"]
+    assert code == 0, (out.decode()[-3000:], err.decode(), daemon.log.read_text()[-3000:])
+    passed = json.loads(out)
+    assert passed["result"]["passed"] is True and [c["passed"] for c in passed["result"]["checks"]] == [True] * 3
+    assert [s["name"] for s in passed["steps"]] == ["boot", "mount[0]", "mount[1]", "setup[0]", "task"]
+    assert "Ran 3 tests" in passed["result"]["checks"][0]["evidence"]["output_tail"]
+
+    code, out, err = results["hello-fail"]
+    assert code == 1, (out.decode()[-3000:], err.decode())
+    failed = json.loads(out)
+    suite, output, reward = failed["result"]["checks"]
+    assert not suite["passed"] and suite["evidence"]["exit_code"] == 1
+    assert "FAILED (failures=1)" in suite["evidence"]["output_tail"]
+    assert not output["passed"] and "15: Fizz" in output["evidence"]["output_tail"]
+    assert not reward["passed"] and "reward 0 < threshold 1" in reward["evidence"]["detail"]
+    boots = {n: int(json.loads(r[1])["steps"][0]["evidence"]["duration_ms"]) / 1000 for n, r in results.items()}
+    print(f"\nRun of both examples at once: {wall:.0f}s wall; boot to agent-ready: {boots}")
+    assert daemon.smolctl("ls", "-q").stdout == b""  # Run destroyed both machines
+    assert vmm_processes(daemon.state) == [] and list((daemon.state / "machines").iterdir()) == []
+
+
+def test_kill_9_restart_readopt_and_destroy(daemon: Daemon, workdir: Path) -> None:
+    task = workdir / "vm"
+    task.mkdir()
+    (task / "Smolfile.toml").write_text(VM_SMOLFILE)
+    creates = [subprocess.Popen(daemon.smolctl_argv("create", "--name", n, str(task)), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE) for n in ("a", "b")]
+    ids = []
+    for p in creates:
+        out, err = p.communicate(timeout=1500)
+        assert p.returncode == 0, err.decode()
+        ids.append(out.decode().strip())
+    a, b = ids
+    machines = {m["name"]: m for m in json.loads(daemon.smolctl("ls", "--json").stdout)}
+    pid_a, pid_b = machines["a"]["vmm_pid"], machines["b"]["vmm_pid"]
+
+    for name in ("a", "b"):
+        r = daemon.smolctl("exec", name, "--", "sh", "-c", "echo hello > /root/hello.txt; nproc; hostname")
+        assert (r.returncode, r.stdout.split()) == (0, [b"1", name.encode()]), r.stderr
+    r = daemon.smolctl("verify", "b")
+    assert r.returncode == 0 and r.stdout.startswith(b"PASS"), r.stdout
+
+    os.kill(pid_a, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while "failed" not in daemon.smolctl("ls").stdout.decode():
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    info = {m["name"]: m for m in json.loads(daemon.smolctl("ls", "--json").stdout)}
+    assert info["a"]["state"] == "MACHINE_STATE_FAILED" and "killed by SIGKILL" in info["a"]["failure_reason"]
+    logs = daemon.smolctl("logs", "a").stdout.decode()
+    assert "Linux version" in logs or "smol-init" in logs, logs[-2000:]
+    assert info["b"]["state"] == "MACHINE_STATE_RUNNING"
+    r = daemon.smolctl("exec", "b", "--", "cat", "/root/hello.txt")
+    assert (r.returncode, r.stdout) == (0, b"hello\n")  # the other machine is untouched
+
+    # Restart the daemon the hard way: b is re-adopted (same VM, same guest state), failed a is cleaned up.
+    daemon.kill()
+    assert alive(pid_b)
+    daemon.start()
+    assert daemon.smolctl("ls", "-q").stdout.split() == [b.encode()]
+    assert not (daemon.state / "machines" / a).exists()
+    r = daemon.smolctl("exec", "b", "--", "cat", "/root/hello.txt")
+    assert (r.returncode, r.stdout) == (0, b"hello\n"), r.stderr
+
+    # Destroy removes every process, socket and file of the machine.
+    mdir = daemon.state / "machines" / b
+    before = (vmm_processes(mdir), sockets_under(mdir), sorted(p.name for p in mdir.iterdir()))
+    assert before[0] == [pid_b] and str(mdir / "vsock.sock") in before[1]
+    assert {"machine.json", "ready.json", "console.log", "vsock.sock"} <= set(before[2])
+    t0 = time.monotonic()
+    r = daemon.smolctl("rm", b)
+    assert r.returncode == 0, r.stderr
+    print(f"\ndestroy of a running VM: {time.monotonic() - t0:.2f}s")
+    assert (vmm_processes(mdir), sockets_under(mdir), mdir.exists()) == ([], [], False)
+    assert not alive(pid_b)
+    assert daemon.smolctl("ls", "-q").stdout == b""
