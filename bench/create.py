@@ -78,9 +78,9 @@ def wait_line(proc: subprocess.Popen[bytes], prefix: bytes, timeout: float) -> t
     raise RuntimeError(f"no {prefix!r} line from pid {proc.pid} (exit {proc.poll()})")
 
 
-def bake(work: Path, timeout: float) -> tuple[Path, dict[str, Any]]:
+def bake(work: Path, timeout: float, snap: Path | None = None) -> tuple[Path, dict[str, Any]]:
     art = default_artifacts(build=True)
-    snap = work / "snap"
+    snap = snap or work / "snap"
     argv = [sys.executable, "-m", "smold.vmm", "--kernel", str(art.kernel), "--initramfs", str(art.initramfs),
             "--rootfs", str(art.rootfs), "--cpus", "1", "--memory", "512", "--state-dir", str(work / "bake"),
             "--snapshot-on-ready", str(snap)]
@@ -132,6 +132,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--snapshot", type=Path, help="restore this snapshot (default: bake one first)")
+    ap.add_argument("--keep", type=Path, metavar="DIR", help="bake into DIR and keep it (for bench/fork.py)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--no-exec", action="store_true", help="do not time a first exec")
     ap.add_argument("--concurrent", action="store_true", help="keep every restored VM up until the end")
@@ -145,7 +146,7 @@ def main() -> int:
     try:
         snap = args.snapshot
         if snap is None:
-            snap, result["bake"] = bake(work, args.boot_timeout)
+            snap, result["bake"] = bake(work, args.boot_timeout, args.keep)
         for i in range(args.runs):
             rec, proc = restore_once(snap, work, i, not args.no_exec)
             result["runs"].append(rec)

@@ -1,5 +1,5 @@
 """Fork a running VM into N copy-on-write children: snapshot it through its control socket, then start one
-``--restore`` VMM process per child, each with its own state dir, vsock socket, CID and identity.
+``--restore`` VMM process per child, each with its own state dir, vsock socket and identity.
 
 The parent resumes as soon as the snapshot is written. The children map the snapshot's memory file
 MAP_PRIVATE, so they share its page cache and copy only the pages they write; each gets a new hostname,
@@ -62,7 +62,7 @@ class ForkResult:
     timings: dict[str, float]             # snapshot, spawn, ready (all children), total; seconds
 
 
-def spawn_child(snapshot_dir: Path, state_dir: Path, index: int, *, hostname: str, cid: int,
+def spawn_child(snapshot_dir: Path, state_dir: Path, index: int, *, hostname: str, cid: int | None = None,
                 extra_args: tuple[str, ...] = ()) -> Child:
     """Start ``python -m smold.vmm --restore`` for one child (its own session: it outlives the caller's group)."""
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -70,7 +70,8 @@ def spawn_child(snapshot_dir: Path, state_dir: Path, index: int, *, hostname: st
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "smold.vmm", "--restore", str(snapshot_dir), "--state-dir", str(state_dir),
-             "--hostname", hostname, "--cid", str(cid), "--new-identity", *extra_args],
+             "--hostname", hostname, "--new-identity", *(["--cid", str(cid)] if cid is not None else []),
+             *extra_args],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     finally:
         out.close()
@@ -95,9 +96,16 @@ async def wait_ready(child: Child, timeout: float) -> None:
 
 
 async def fork_vm(control_socket: Path, directory: Path, count: int, *, hostname_prefix: str = "smol-fork",
-                  first_cid: int = 4, timeout: float = 300.0, extra_args: tuple[str, ...] = ()) -> ForkResult:
+                  first_cid: int | None = None, timeout: float = 300.0,
+                  extra_args: tuple[str, ...] = ()) -> ForkResult:
     """Snapshot the VM behind ``control_socket`` into ``directory/base`` and start ``count`` children
-    (state dirs ``directory/child-<i>``). On failure every child already started is killed."""
+    (state dirs ``directory/child-<i>``). On failure every child already started is killed.
+
+    Children keep the parent's vsock CID unless ``first_cid`` is given (child i gets first_cid + i): each
+    VMM has its own vsock device and Unix socket, so a CID is only visible inside its guest, and a new
+    one costs the first host connection a retry (the guest answers it from the old CID before it has
+    handled the transport reset).
+    """
     if count < 1:
         raise ForkError("count must be at least 1")
     directory = Path(directory)
@@ -111,7 +119,8 @@ async def fork_vm(control_socket: Path, directory: Path, count: int, *, hostname
     try:
         for i in range(count):
             children.append(spawn_child(directory / BASE_DIR, directory / f"child-{i}", i,
-                                        hostname=f"{hostname_prefix}-{i}", cid=first_cid + i, extra_args=extra_args))
+                                        hostname=f"{hostname_prefix}-{i}",
+                                        cid=None if first_cid is None else first_cid + i, extra_args=extra_args))
         t_spawn = time.monotonic()
         await asyncio.gather(*(wait_ready(c, timeout) for c in children))
     except BaseException:

@@ -12,7 +12,7 @@ import shutil
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -218,9 +218,19 @@ class Runner:
     async def _supervise(self, machine: Machine, outcome: RunOutcome,
                          body: Callable[[Runner, AgentClient], Any] | None) -> None:
         deadline = time.monotonic() + self.boot_timeout
+        # A restored guest usually answers within a second, but an attempt that raced its vsock transport
+        # reset (virtio 1.2 §5.10.6.7) is answered from the old CID and dropped: retry such an attempt
+        # soon, with per-attempt timeouts growing to 5 s so a slow guest still gets through.
+        attempts = [0]
+
+        def connect() -> Awaitable[AgentClient]:
+            attempts[0] += 1
+            timeout = min(5.0, 0.5 * 2 ** attempts[0]) if machine.restored else 5.0
+            return connect_vsock_uds(str(machine.vsock_path), AGENT_VSOCK_PORT, timeout=timeout)
+
         try:
             client = await wait_ready(
-                lambda: connect_vsock_uds(str(machine.vsock_path), AGENT_VSOCK_PORT, timeout=5.0),
+                connect,
                 deadline, interval=0.05, max_interval=0.5)
         except AgentError as e:
             outcome.error = f"boot timeout: guest agent not ready after {self.boot_timeout:.0f}s ({e})"

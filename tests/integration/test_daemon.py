@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -53,12 +54,16 @@ class Daemon:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          start_new_session=True)
-        deadline = time.monotonic() + 120
-        while not self.socket.exists():
+        deadline = time.monotonic() + 300  # re-adopting machines (a health check each) comes first
+        while True:
             assert self.proc.poll() is None, self.log.read_text()
             assert time.monotonic() < deadline, "smold did not start"
-            time.sleep(0.1)
-        return self
+            try:  # the socket file may be a stale one left by a killed daemon: wait until it answers
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(str(self.socket))
+                return self
+            except OSError:
+                time.sleep(0.1)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -148,6 +148,10 @@ SETUP = ("echo baked > /root/marker; mkfifo /tmp/f; "
          "</dev/null >/dev/null 2>&1 & echo started")
 
 
+# Probes use shell builtins only (read, echo, kill, [ ): each exec then spawns one process, the shell.
+READ_COUNTER = "until read c < /tmp/c; do :; done"   # the counter may be caught between truncate and write
+
+
 class RestoredVm(Microvm):
     """A VMM process started with --restore (the Microvm helpers, a different command line)."""
 
@@ -216,9 +220,10 @@ def restored(baked: Baked) -> Iterator[RestoredA]:
     vm.start(timeout=120)
     try:
         t0 = time.monotonic()
-        first = vm.run(["sh", "-c", "cat /tmp/c /root/marker; date +%s"], timeout=300)
+        first = vm.run(["bash", "-c", f"{READ_COUNTER}; read m < /root/marker; printf '%s %s %(%s)T' $c $m -1"],
+                       timeout=300)
         first_exec_s = time.monotonic() - t0
-        second = vm.run(["sh", "-c", "cat /tmp/c; echo only-a > /root/only-in-a"], timeout=300)
+        second = vm.run(["sh", "-c", f"{READ_COUNTER}; echo $c; echo only-a > /root/only-in-a"], timeout=300)
         yield RestoredA(vm, first, first_exec_s, second)
     finally:
         vm.kill()
@@ -260,7 +265,8 @@ def test_second_restore_does_not_see_the_first_ones_writes_and_shares_memory(
     vm_b = RestoredVm(baked.snapshot, baked.work / "b")
     vm_b.start(timeout=120)
     try:
-        r = vm_b.run(["sh", "-c", "cat /root/marker; cat /root/only-in-a 2>/dev/null || echo absent"], timeout=300)
+        r = vm_b.run(["sh", "-c", "read m < /root/marker; a=absent; [ -e /root/only-in-a ] && a=present; echo $m $a"],
+                     timeout=300)
         assert r.stdout.decode().split() == ["baked", "absent"], r
         a, b = rss_mib(restored.vm.pid), rss_mib(vm_b.pid)
         print(f"\nRSS MiB: A {a}  B {b}")
@@ -281,7 +287,7 @@ def test_snapshot_of_a_restored_vm_keeps_its_writes(baked: Baked, restored: Rest
     vm_c = RestoredVm(again, baked.work / "c")
     vm_c.start(timeout=120)
     try:
-        r = vm_c.run(["cat", "/root/only-in-a", "/root/marker"], timeout=300)
+        r = vm_c.run(["sh", "-c", "read a < /root/only-in-a; read m < /root/marker; echo $a $m"], timeout=300)
         assert r.stdout.decode().split() == ["only-a", "baked"], r
     finally:
         vm_c.kill()
@@ -312,22 +318,23 @@ def test_fork_children_share_the_parent_state_not_each_others_writes(baked: Bake
     try:
         print(f"\nfork of 2: {result.timings}; RSS MiB parent {rss_mib(parent.pid)} "
               f"children {[rss_mib(c.pid) for c in result.children]}")
-        probe = ("cat /root/marker /root/only-in-a; hostname; cat /etc/machine-id /proc/sys/kernel/random/uuid; "
-                 "kill -0 $(cat /tmp/counter.pid) && echo alive; cat /root/from-c0 2>/dev/null || echo absent")
+        ident = ("read h < /proc/sys/kernel/hostname; id=none; [ -s /etc/machine-id ] && read id < /etc/machine-id; "
+                 "c0=absent; [ -e /root/from-c0 ] && c0=present")
+        probe = (f"read m < /root/marker; read a < /root/only-in-a; {ident}; read u < /proc/sys/kernel/random/uuid; "
+                 "read p < /tmp/counter.pid; alive=no; kill -0 $p && alive=yes; echo $m $a $h $id $u $alive $c0")
         r0 = _run_on(c0.vsock_path, ["sh", "-c", probe + "; echo c0 > /root/from-c0"])
         r1 = _run_on(c1.vsock_path, ["sh", "-c", probe])
-        rp = parent.run(["sh", "-c", "hostname; cat /etc/machine-id; cat /root/from-c0 2>/dev/null || echo absent"],
-                        timeout=300)
+        rp = parent.run(["sh", "-c", f"{ident}; echo $h $id $c0"], timeout=300)
         m0, m1, mp = r0.stdout.decode().split(), r1.stdout.decode().split(), rp.stdout.decode().split()
         assert m0[:3] == ["baked", "only-a", "kid-0"] and m1[:3] == ["baked", "only-a", "kid-1"], (r0, r1)
-        assert m0[5:] == ["alive", "absent"] and m1[5:] == ["alive", "absent"], "each child has the process"
-        assert mp[2:] == ["absent"], "a child's write is invisible to the parent"
+        assert m0[5:] == ["yes", "absent"] and m1[5:] == ["yes", "absent"], ("each child has the process", r0, r1)
+        assert mp[0] != "kid-0" and mp[2] == "absent", ("a child's write is invisible to the parent", rp)
         assert len({m0[3], m1[3], mp[1]}) == 3, "every child has its own machine-id"
         assert m0[4] != m1[4], "the children's guest entropy was reseeded apart"
         # The parent and its snapshot can go away: the children keep running on their own mappings.
         parent.kill()
         shutil.rmtree(baked.work / "fork" / "base")
-        r = _run_on(c0.vsock_path, ["cat", "/root/from-c0"])
+        r = _run_on(c0.vsock_path, ["sh", "-c", "read x < /root/from-c0; echo $x"])
         assert r.stdout == b"c0\n"
     finally:
         for c in result.children:

@@ -348,3 +348,24 @@ def test_tampered_memory_is_found_by_verify(tmp_path: Path) -> None:
     with pytest.raises(SnapshotChecksumError):
         store.verify_memory(tmp_path, snap)
     os.unlink(tmp_path / store.MEMORY_FILE)
+
+
+def test_restore_configuration_comes_from_the_snapshot(tmp_path: Path) -> None:
+    from smold.vmm.__main__ import main
+    from smold.vmm.machine import MachineConfig, MachineError
+
+    snap = sample_snapshot(tmp_path)
+    disk = tmp_path / "rootfs.ext4"
+    disk.write_bytes(b"")
+    cfg = MachineConfig.for_restore(tmp_path / "snap", tmp_path / "state", snap, rootfs=disk, hostname="kid-1")
+    assert (cfg.cpus, cfg.memory_mib, cfg.cpu_template, cfg.vsock_cid) == (2, 512, "compat", 3)
+    assert cfg.hostname == "kid-1" and cfg.kernel is None and cfg.rootfs_read_only
+    cfg.validate()   # no kernel needed to restore
+    with pytest.raises(MachineError, match="kernel is needed"):
+        MachineConfig(kernel=None, state_dir=tmp_path).validate()
+    # The CLI refuses a configuration that contradicts the snapshot, before any KVM work.
+    d = _dir_with(tmp_path, snap, snap.memory.size)
+    with pytest.raises(SystemExit, match="--cpus 4 differs from the snapshot's 2"):
+        main(["--restore", str(d), "--cpus", "4"])
+    with pytest.raises(SystemExit, match="--kernel cannot be combined"):
+        main(["--restore", str(d), "--kernel", str(disk)])
