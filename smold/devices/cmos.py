@@ -1,4 +1,4 @@
-"""A read-only MC146818 CMOS RTC at ports 0x70/0x71 reporting the host's UTC time (binary mode, 24 h)."""
+"""A read-only MC146818 CMOS RTC at ports 0x70/0x71 reporting the host's UTC time (BCD, 24 h)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,13 @@ SECONDS, MINUTES, HOURS, WEEKDAY, DAY, MONTH, YEAR = 0x00, 0x02, 0x04, 0x06, 0x0
 REG_A, REG_B, REG_C, REG_D = 0x0A, 0x0B, 0x0C, 0x0D
 CENTURY = 0x32
 REG_B_24H = 0x02
-REG_B_BINARY = 0x04
+REG_B_BINARY = 0x04   # never set: x86 Linux reads the RTC as BCD whatever this bit says (RTC_ALWAYS_BCD)
 REG_D_VRT = 0x80
+
+
+def bcd(value: int) -> int:
+    """Two decimal digits packed in one byte (MC146818 data mode with REG_B bit 2 clear)."""
+    return ((value // 10) << 4) | (value % 10)
 
 
 class Cmos:
@@ -28,9 +33,10 @@ class Cmos:
 
     def _value(self, reg: int) -> int:
         t = time.gmtime(self.clock())
-        table = {SECONDS: t.tm_sec, MINUTES: t.tm_min, HOURS: t.tm_hour, WEEKDAY: (t.tm_wday + 1) % 7 + 1,
-                 DAY: t.tm_mday, MONTH: t.tm_mon, YEAR: t.tm_year % 100, CENTURY: t.tm_year // 100,
-                 REG_A: 0x26, REG_B: REG_B_24H | REG_B_BINARY, REG_C: 0, REG_D: REG_D_VRT}
+        table = {SECONDS: bcd(t.tm_sec), MINUTES: bcd(t.tm_min), HOURS: bcd(t.tm_hour),
+                 WEEKDAY: bcd((t.tm_wday + 1) % 7 + 1), DAY: bcd(t.tm_mday), MONTH: bcd(t.tm_mon),
+                 YEAR: bcd(t.tm_year % 100), CENTURY: bcd(t.tm_year // 100),
+                 REG_A: 0x26, REG_B: REG_B_24H, REG_C: 0, REG_D: REG_D_VRT}
         if reg in table:
             return table[reg]
         return self.nvram[reg & 0x7F]
