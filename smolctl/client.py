@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -30,22 +31,72 @@ def socket_path(arg: str | None) -> str:
     return arg or os.environ.get("SMOL_SOCKET") or DEFAULT_SOCKET
 
 
-def connect(path: str) -> tuple[grpc.Channel, pb_grpc.SmolStub]:
+@dataclass(frozen=True)
+class Endpoint:
+    """Where smold is: its Unix socket, or a TCP address served with TLS (CA, bearer token file)."""
+
+    socket: str = DEFAULT_SOCKET
+    tcp: str | None = None
+    ca: str | None = None          # PEM roots to trust; None: the system's
+    token_file: str | None = None
+
+    def __str__(self) -> str:
+        return f"tcp {self.tcp}" if self.tcp else self.socket
+
+
+def endpoint(socket: str | None = None, tcp: str | None = None, ca: str | None = None,
+             token_file: str | None = None) -> Endpoint:
+    """Options first, then $SMOL_TCP/$SMOL_CA/$SMOL_TOKEN_FILE, then $SMOL_SOCKET and the default socket."""
+    if socket and tcp:
+        fail("give --socket or --tcp, not both")
+    if not socket:
+        tcp = tcp or os.environ.get("SMOL_TCP") or None
+    if not tcp:
+        if ca or token_file:
+            fail("--ca and --token-file only apply with --tcp (or $SMOL_TCP)")
+        return Endpoint(socket=socket_path(socket))
+    token_file = token_file or os.environ.get("SMOL_TOKEN_FILE") or None
+    if not token_file:
+        fail("--tcp needs --token-file (or $SMOL_TOKEN_FILE): smold's TCP listener wants a bearer token")
+    return Endpoint(tcp=tcp, ca=ca or os.environ.get("SMOL_CA") or None, token_file=token_file)
+
+
+def _read_file(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        fail(f"{what} {path}: cannot read: {e.strerror}")
+
+
+def connect(where: Endpoint | str) -> tuple[grpc.Channel, pb_grpc.SmolStub]:
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", MAX_MESSAGE),
         ("grpc.max_send_message_length", MAX_MESSAGE),
     ]
-    channel = grpc.insecure_channel(f"unix:{os.path.abspath(path)}", options=options)
+    if isinstance(where, str):
+        where = Endpoint(socket=where)
+    if where.tcp is None:
+        channel = grpc.insecure_channel(f"unix:{os.path.abspath(where.socket)}", options=options)
+        return channel, pb_grpc.SmolStub(channel)
+    assert where.token_file is not None
+    token = _read_file(where.token_file, "--token-file").decode("ascii", "replace").strip()
+    if not token:
+        fail(f"--token-file {where.token_file}: empty")
+    roots = _read_file(where.ca, "--ca") if where.ca else None
+    creds = grpc.composite_channel_credentials(grpc.ssl_channel_credentials(root_certificates=roots),
+                                               grpc.access_token_call_credentials(token))
+    channel = grpc.secure_channel(where.tcp, creds, options=options)
     return channel, pb_grpc.SmolStub(channel)
 
 
-def rpc_error_message(e: grpc.RpcError, socket: str) -> str:
+def rpc_error_message(e: grpc.RpcError, socket: str | Endpoint) -> str:
     """One line: the daemon's reason, or why the daemon could not be reached."""
     code: grpc.StatusCode | None = e.code() if isinstance(e, grpc.Call) else None
     details = (e.details() if isinstance(e, grpc.Call) else "") or ""
     first = details.strip().splitlines()[0] if details.strip() else (code.name if code else str(e))
     if code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in details:
-        return f"cannot reach smold at {socket}: {first}; is the daemon running? (set --socket or SMOL_SOCKET)"
+        return f"cannot reach smold at {socket}: {first}; is the daemon running? (set --socket or SMOL_SOCKET, or --tcp)"
     return first
 
 

@@ -47,6 +47,12 @@ def parser() -> argparse.ArgumentParser:
                     help="at SIGTERM: destroy every machine, or leave running ones to be re-adopted (destroy)")
     ap.add_argument("--image", action="append", default=[], metavar="NAME=KERNEL:INITRAMFS:ROOTFS",
                     help="add (or replace) a named image; 'default' is the built default guest otherwise")
+    ap.add_argument("--tcp", metavar="HOST:PORT",
+                    help="also serve on TCP, with TLS and a bearer token (needs --tls-cert, --tls-key, --token-file)")
+    ap.add_argument("--tls-cert", type=Path, metavar="FILE", help="PEM certificate (chain) for --tcp")
+    ap.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM private key for --tcp (mode 0600)")
+    ap.add_argument("--token-file", type=Path, metavar="FILE",
+                    help="bearer token (32+ characters) every TCP call must send (mode 0600)")
     ap.add_argument("--launcher", default="vmm", help=argparse.SUPPRESS)  # tests: module:attribute
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return ap
@@ -58,7 +64,9 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         state_dir=args.state_dir.absolute(), max_machines=args.max_machines, max_memory_mib=args.max_memory,
         max_cpus=args.max_cpus, copy_cap_bytes=args.max_copy_bytes, destroy_grace_s=args.destroy_grace,
         keep_failed=args.keep_failed, on_shutdown=args.on_shutdown, launcher=args.launcher,
-        images=tuple(parse_image_option(i) for i in args.image))
+        images=tuple(parse_image_option(i) for i in args.image), tcp=args.tcp,
+        tls_cert=args.tls_cert and args.tls_cert.absolute(), tls_key=args.tls_key and args.tls_key.absolute(),
+        token_file=args.token_file and args.token_file.absolute())
 
 
 def main(argv: list[str] | None = None) -> int:

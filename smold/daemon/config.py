@@ -48,6 +48,10 @@ class DaemonConfig:
     on_shutdown: str = "destroy"  # "destroy" or "leave" (re-adopted by the next daemon)
     launcher: str = "vmm"  # "vmm" or "module:attribute" naming a Launcher factory (tests)
     images: tuple[tuple[str, tuple[Path, Path, Path]], ...] = ()  # extra named images (--image)
+    tcp: str | None = None  # HOST:PORT of the optional TLS listener; needs tls_cert, tls_key, token_file
+    tls_cert: Path | None = None  # PEM certificate chain served on tcp
+    tls_key: Path | None = None  # its PEM private key
+    token_file: Path | None = None  # bearer token every TCP call must carry (mode 0600 or stricter)
 
     @property
     def machines_dir(self) -> Path:
@@ -77,3 +81,25 @@ class DaemonConfig:
             raise ValueError("--on-shutdown must be 'destroy' or 'leave'")
         if self.socket_mode & ~0o777:
             raise ValueError(f"--socket-mode must be permission bits (got {oct(self.socket_mode)})")
+        tls = {"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--token-file": self.token_file}
+        if self.tcp is None:
+            given = [k for k, v in tls.items() if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply with --tcp")
+        else:
+            parse_tcp_address(self.tcp)
+            missing = [k for k, v in tls.items() if v is None]
+            if missing:
+                raise ValueError(f"--tcp needs {', '.join(missing)} (TCP is served only with TLS and a token)")
+
+
+def parse_tcp_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6ADDR]:PORT`` -> (host, port); raise ValueError naming what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or int(port) > 65535 or ("[" in host or "]" in host):
+        raise ValueError(f"--tcp must be HOST:PORT or [IPV6]:PORT (got {text!r})")
+    if ":" in host and not text.startswith("["):
+        raise ValueError(f"--tcp: write an IPv6 address in brackets, [ADDR]:PORT (got {text!r})")
+    return host, int(port)

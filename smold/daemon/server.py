@@ -1,4 +1,4 @@
-"""The daemon process: state-dir lock, re-adoption, the gRPC server on its Unix socket, sd_notify, shutdown."""
+"""The daemon process: state-dir lock, re-adoption, the gRPC servers (Unix socket, optional TLS TCP), shutdown."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from .images import ImageStore
 from .launcher import Launcher, load_launcher
 from .notify import sd_notify
 from .servicer import SmolServicer
+from .tcp import BearerTokenInterceptor, TcpListener, load_tcp_listener
 
 log = logging.getLogger("smold")
 LOCK_FILE = "smold.lock"
@@ -67,11 +68,14 @@ class Daemon:
         self.config = config
         if images is None:
             images = ImageStore.with_files(dict(config.images))
+        self.tcp: TcpListener | None = load_tcp_listener(config)  # refuses bad TLS/token files before anything
         self.controller = Controller(config, launcher or load_launcher(config.launcher), images)
         self._stop = asyncio.Event()
         self._lock_fd = -1
         self._served = False
         self.server: grpc.aio.Server | None = None
+        self.tcp_server: grpc.aio.Server | None = None
+        self.tcp_port = 0  # the bound TCP port (useful with --tcp HOST:0)
 
     def stop(self) -> None:
         self._stop.set()
@@ -92,7 +96,26 @@ class Daemon:
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
 
-    async def _serve(self) -> grpc.aio.Server:
+    def _server_options(self) -> list[tuple[str, Any]]:
+        limit = self.config.copy_cap_bytes + MESSAGE_OVERHEAD
+        return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+
+    async def _serve_tcp(self, servicer: SmolServicer, tcp: TcpListener) -> grpc.aio.Server:
+        """A second server, TLS only, whose every call must carry the bearer token (the interceptor)."""
+        server = grpc.aio.server(options=self._server_options(), interceptors=[BearerTokenInterceptor(tcp.token)])
+        pb_grpc.add_SmolServicer_to_server(servicer, server)
+        try:
+            port = server.add_secure_port(tcp.address, tcp.credentials())
+            if not port:
+                raise RuntimeError("address in use or not local")
+            await server.start()
+        except Exception as e:
+            await server.stop(None)
+            raise DaemonSetupError(f"cannot listen on --tcp {tcp.address}: {e}") from None
+        self.tcp_port = port
+        return server
+
+    async def _serve(self, servicer: SmolServicer) -> grpc.aio.Server:
         cfg = self.config
         path = cfg.socket_path
         gid = _resolve_group(cfg.socket_group) if cfg.socket_group else -1
@@ -101,13 +124,8 @@ class Daemon:
             _clear_stale_socket(path)
         except OSError as e:
             raise DaemonSetupError(f"cannot prepare {path}: {e}") from None
-        limit = cfg.copy_cap_bytes + MESSAGE_OVERHEAD
-        options: list[tuple[str, Any]] = [
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-        ]
-        server = grpc.aio.server(options=options)
-        pb_grpc.add_SmolServicer_to_server(SmolServicer(self.controller), server)
+        server = grpc.aio.server(options=self._server_options())
+        pb_grpc.add_SmolServicer_to_server(servicer, server)
         if not server.add_insecure_port(f"unix:{path}"):
             raise DaemonSetupError(f"cannot listen on {path}")
         old = os.umask(0o777 & ~cfg.socket_mode)  # the socket is born with its final mode
@@ -135,7 +153,12 @@ class Daemon:
         try:
             self._lock_state_dir()
             await self.controller.start()
-            self.server = await self._serve()
+            servicer = SmolServicer(self.controller)
+            if self.tcp is not None:
+                self.tcp_server = await self._serve_tcp(servicer, self.tcp)
+                log.info("serving TLS on tcp %s (port %d); calls need the bearer token", self.tcp.address,
+                         self.tcp_port)
+            self.server = await self._serve(servicer)
             log.info("serving on %s (state %s, launcher %s, at most %d machines and %d MiB)",
                      self.config.socket_path, self.config.state_dir, self.controller.launcher.kind,
                      self.config.max_machines, self.config.max_memory_mib)
@@ -152,8 +175,9 @@ class Daemon:
 
     async def _close(self) -> None:
         self.controller.stop_admitting()  # no new machines while in-flight calls finish
+        servers = [s for s in (self.server, self.tcp_server) if s is not None]
+        await asyncio.gather(*(s.stop(STOP_GRACE_S) for s in servers))
         if self.server is not None:
-            await self.server.stop(STOP_GRACE_S)
             with contextlib.suppress(OSError):
                 self.config.socket_path.unlink()
         # A daemon that never served (it failed to start) leaves re-adopted machines alone.
