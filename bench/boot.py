@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import selectors
 import shutil
 import signal
@@ -33,25 +32,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from create import host_info  # noqa: E402  (bench/ is on sys.path when run as a script)
+
 from smold.agent import connect_vsock_uds  # noqa: E402
 from smold.images.artifacts import Artifacts, default_artifacts  # noqa: E402
-from smold.kvm import is_pvm  # noqa: E402
 
 ROOT_READY = b"smol-init: root ready"
 RUN_INIT = b"Run /init as init process"   # printed at loglevel 7: the kernel is done booting
-
-
-def _host() -> str:
-    cpu = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    kvm = "PVM (nested, shadow paging; guest kernel emulated)" if is_pvm() else "hardware KVM"
-    return f"{platform.node()}: {os.cpu_count()} CPUs ({cpu}), kernel {platform.release()}, /dev/kvm = {kvm}"
 
 
 def _watch(proc: subprocess.Popen[bytes], streams: dict[int, str], markers: dict[str, bytes], t0: float,
@@ -212,7 +199,7 @@ def main() -> int:
         summary[peer] = {k: round(statistics.median(float(r[k]) for r in runs), 3)  # type: ignore[arg-type]
                          for k in ("first_console", "run_init", "root_ready", "agent_ready", "exec_median_ms")
                          if runs and all(k in r for r in runs)}
-    report = {"host": _host(), "kernel": str(arts.kernel), "runs": rows, "median": summary}
+    report = {"host": host_info(), "kernel": str(arts.kernel), "runs": rows, "median": summary}
     smol_ri = summary.get("smol", {}).get("run_init")
     for peer, med in summary.items():
         if peer != "smol" and smol_ri and med.get("run_init"):
