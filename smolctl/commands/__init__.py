@@ -2,8 +2,8 @@
 
 from types import ModuleType
 
-from . import cp, create, exec, logs, ls, rm, run, verify
+from . import cp, create, exec, fork, logs, ls, rm, run, snapshot, verify
 
-COMMANDS: tuple[ModuleType, ...] = (create, ls, exec, cp, verify, rm, run, logs)
+COMMANDS: tuple[ModuleType, ...] = (create, ls, exec, cp, verify, rm, run, logs, snapshot, fork)
 
 __all__ = ["COMMANDS"]

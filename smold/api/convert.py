@@ -29,7 +29,7 @@ from smold.smolfile import (
 from smold.smolfile.errors import KeyPath
 from smold.verifier import CheckResult, Evidence, VerifyResult
 
-from .machine import MachineInfo, MachineState, RunResult, StepResult
+from .machine import CheckpointInfo, MachineInfo, MachineState, RunResult, StepResult
 from .v1 import smol_pb2 as pb
 
 INLINE_SPEC = "<inline spec>"
@@ -81,6 +81,21 @@ def machine_to_proto(m: MachineInfo) -> pb.Machine:
     )
     msg.created_at.FromDatetime(m.created_at)
     return msg
+
+
+def checkpoint_to_proto(c: CheckpointInfo) -> pb.Checkpoint:
+    if c.created_at.tzinfo is None:
+        raise ConversionError("created_at must be timezone-aware")
+    msg = pb.Checkpoint(name=c.name, path=c.path, size_bytes=c.size_bytes, machine_id=c.machine_id)
+    msg.created_at.FromDatetime(c.created_at)
+    return msg
+
+
+def checkpoint_from_proto(msg: pb.Checkpoint) -> CheckpointInfo:
+    if not msg.HasField("created_at"):
+        raise ConversionError("checkpoint has no created_at")
+    return CheckpointInfo(name=msg.name, path=msg.path, size_bytes=msg.size_bytes,
+                          created_at=msg.created_at.ToDatetime(tzinfo=UTC), machine_id=msg.machine_id)
 
 
 def machine_from_proto(msg: pb.Machine) -> MachineInfo:

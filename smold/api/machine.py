@@ -39,6 +39,17 @@ class MachineInfo:
 
 
 @dataclass(frozen=True)
+class CheckpointInfo:
+    """A named restore point in the daemon's checkpoint store (proto: smol.v1.Checkpoint)."""
+
+    name: str
+    path: str
+    size_bytes: int
+    created_at: datetime  # timezone-aware (UTC)
+    machine_id: str = ""
+
+
+@dataclass(frozen=True)
 class StepResult:
     """One step of creating or running a machine: "boot", "mount[i]", "setup[i]" or "task" (proto: StepResult)."""
 

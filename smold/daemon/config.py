@@ -57,6 +57,16 @@ class DaemonConfig:
     def machines_dir(self) -> Path:
         return self.state_dir / "machines"
 
+    @property
+    def checkpoints_dir(self) -> Path:
+        """Named checkpoints (Snapshot RPC; CreateMachine.from_checkpoint): ``<name>/``."""
+        return self.state_dir / "checkpoints"
+
+    @property
+    def forks_dir(self) -> Path:
+        """Private fork bases, each removed when the last machine restored from it is destroyed."""
+        return self.state_dir / "forks"
+
     def validate(self) -> None:
         """Raise ValueError naming the first unusable setting."""
         if not self.socket_path.is_absolute():

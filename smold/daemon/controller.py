@@ -4,6 +4,11 @@ One VM process per machine (started by a Launcher). Phases: CREATING (VM booting
 running) -> RUNNING -> destroyed (removed from the table); any phase -> FAILED when the VM process dies,
 boot times out or a mount/setup step fails. A failed machine keeps its state directory (console log)
 until it is destroyed. Nothing that happens to one machine takes the daemon or other machines down.
+
+Snapshots (docs/daemon.md, "Checkpoints and fork"): Snapshot asks a running machine's VMM (control socket)
+to write a named checkpoint into ``STATE_DIR/checkpoints/<name>/``; CreateMachine can restore one instead of
+booting. Fork writes a private base into ``STATE_DIR/forks/`` and restores N machines from it; the base is
+removed when the last machine restored from it is destroyed.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import secrets
 import shutil
@@ -25,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from smold.agent import AgentClient, AgentError, ExecEvent
-from smold.api.machine import MachineInfo, MachineState, RunResult, StepResult
+from smold.api.machine import CheckpointInfo, MachineInfo, MachineState, RunResult, StepResult
 from smold.smolfile import (
     Check,
     Smolfile,
@@ -40,6 +46,9 @@ from smold.verifier import Evidence, VerifyResult, tail_text, verify
 from . import guestops
 from .config import DEFAULT_CONSOLE_TAIL, MAX_CONSOLE_TAIL, DaemonConfig
 from .errors import (
+    CheckpointExistsError,
+    CheckpointFailedError,
+    CheckpointNotFoundError,
     CreateFailedError,
     DaemonError,
     DestroyIncompleteError,
@@ -75,6 +84,10 @@ TOMBSTONES = 1024          # destroyed ids remembered, to answer "was destroyed"
 CONNECT_TIMEOUT_S = 10.0
 ADOPT_HEALTH_TIMEOUT_S = 10.0
 LIVE = (MachineState.CREATING, MachineState.RUNNING)
+CHECKPOINT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+CHECKPOINT_META = "checkpoint.json"   # beside the VMM's snapshot.state and memory.raw
+MAX_FORK = 16
+SNAPSHOT_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -101,6 +114,8 @@ class Machine:
     create_task: asyncio.Task[Any] | None = None
     destroy_task: asyncio.Task[None] | None = None
     destroy_requested: bool = False  # a Destroy arrived while creating: the create ends with an error
+    checkpoint: Path | None = None   # the snapshot directory it was restored from (None: booted)
+    snapshot_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one snapshot of its VM at a time
 
     @property
     def cpus(self) -> int:
@@ -118,7 +133,7 @@ class Machine:
             smolfile=to_mapping(self.smolfile), smolfile_digest=self.smolfile_digest,
             base_dir=self.smolfile.base_dir, launcher=self.launcher, pid=proc.pid if proc else 0,
             argv=list(proc.argv) if proc else [], started=proc.started if proc else None,
-            failure_reason=self.failure_reason)
+            failure_reason=self.failure_reason, checkpoint=str(self.checkpoint or ""))
 
     def save(self) -> None:
         with contextlib.suppress(OSError):  # the state dir may be gone (destroyed meanwhile)
@@ -145,6 +160,8 @@ class Controller:
         self._destroyed: OrderedDict[str, None] = OrderedDict()
         self._background: set[asyncio.Task[Any]] = set()
         self._closing = False
+        self._pinned: set[Path] = set()       # fork bases being written or restored (not yet referenced)
+        self._checkpointing: set[str] = set()  # checkpoint names being written
 
     # --- start-up: re-adopt or clean up what an earlier daemon left ---------------------------------------
     async def start(self) -> None:
@@ -155,6 +172,20 @@ class Controller:
             else:
                 with contextlib.suppress(OSError):
                     d.unlink()
+        await asyncio.to_thread(self._clean_checkpoint_dirs)
+
+    def _clean_checkpoint_dirs(self) -> None:
+        """Remove half-written checkpoints and fork bases no (re-adopted) machine was restored from."""
+        self.config.checkpoints_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.config.forks_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        used = {m.checkpoint for m in self._machines.values()}
+        for d in self.config.checkpoints_dir.iterdir():
+            if d.name.startswith(".tmp-"):
+                shutil.rmtree(d, ignore_errors=True)
+        for d in self.config.forks_dir.iterdir():
+            if d not in used:
+                log.info("removing unused fork base %s", d)
+                shutil.rmtree(d, ignore_errors=True)
 
     async def _adopt_or_clean(self, d: Path) -> None:
         try:
@@ -204,7 +235,8 @@ class Controller:
         m = Machine(
             id=rec.id, name=rec.name, smolfile=smolfile, image=rec.image, image_digest=rec.image_digest,
             smolfile_digest=rec.smolfile_digest, state_dir=d, created_at=datetime.fromisoformat(rec.created_at),
-            launcher=rec.launcher, phase=MachineState.RUNNING, proc=proc, ready=ready)
+            launcher=rec.launcher, phase=MachineState.RUNNING, proc=proc, ready=ready,
+            checkpoint=Path(rec.checkpoint) if rec.checkpoint else None)
         self._machines[m.id] = m
         m.watcher = asyncio.create_task(self._watch(m))
         log.info("re-adopted machine %s (VM process %d)", m.id, proc.pid)
@@ -313,21 +345,25 @@ class Controller:
                 f"memory limit reached: {smolfile.memory_mib} MiB requested, {used} of "
                 f"{self.config.max_memory_mib} MiB in use")
 
-    async def _create(self, smolfile: Smolfile, name: str, filename: str, steps: list[StepResult]) -> Machine:
-        await asyncio.to_thread(check_mount_sources, smolfile, filename=filename)
+    async def _create(self, smolfile: Smolfile, name: str, filename: str, steps: list[StepResult], *,
+                      restore: Path | None = None, image_digest: str = "") -> Machine:
+        """Boot (or, with ``restore``, restore that snapshot directory: no mounts, no setup) one machine."""
+        if restore is None:
+            await asyncio.to_thread(check_mount_sources, smolfile, filename=filename)
         self._admit(smolfile, name)  # fail fast before resolving the image (which may hash files)
         image = await self.images.resolve(smolfile.image)
         self._admit(smolfile, name)  # again: no await between this check and the insert below
         mid = f"m-{secrets.token_hex(6)}"
         m = Machine(
-            id=mid, name=name, smolfile=smolfile, image=image.name, image_digest=image.digest,
+            id=mid, name=name, smolfile=smolfile, image=image.name, image_digest=image_digest or image.digest,
             smolfile_digest=digest(smolfile), state_dir=self.config.machines_dir / mid,
-            created_at=datetime.now(UTC), launcher=self.launcher.kind)
+            created_at=datetime.now(UTC), launcher=self.launcher.kind, checkpoint=restore)
         self._machines[mid] = m
         m.create_task = asyncio.current_task()
         try:
             await self._boot(m, image, steps)
-            await self._provision(m, steps)
+            if restore is None:  # a snapshot already holds its mounts and setup
+                await self._provision(m, steps)
         except asyncio.CancelledError:
             if m.destroy_requested:  # DestroyMachine cancelled us: report that rather than a cancellation
                 task = asyncio.current_task()
@@ -361,7 +397,8 @@ class Controller:
         m.save()
         boot_timeout = m.smolfile.timeouts.boot
         spec = LaunchSpec(machine_id=m.id, state_dir=m.state_dir, image=image, cpus=m.cpus,
-                          memory_mib=m.memory_mib, hostname=_hostname(m), boot_timeout=boot_timeout)
+                          memory_mib=m.memory_mib, hostname=_hostname(m), boot_timeout=boot_timeout,
+                          restore_from=m.checkpoint)
         try:
             proc = await self.launcher.spawn(spec)
         except LaunchError as e:
@@ -664,6 +701,7 @@ class Controller:
         if m.watcher is not None and not m.watcher.done():
             m.watcher.cancel()
         self._machines.pop(m.id, None)
+        await self._release_fork_base(m.checkpoint)
         self._destroyed[m.id] = None
         while len(self._destroyed) > TOMBSTONES:
             self._destroyed.popitem(last=False)
@@ -703,6 +741,123 @@ class Controller:
         if m.state_dir.exists():
             out.append(f"{m.state_dir} still exists")
         return out
+
+    # --- checkpoints and fork ---------------------------------------------------------------------------------
+    async def snapshot(self, ref: str, name: str) -> CheckpointInfo:
+        """Write a running machine's full state as checkpoint ``name``; the machine keeps running."""
+        if not CHECKPOINT_NAME_RE.fullmatch(name):
+            raise InvalidRequestError(f"name: {name!r} is not a valid checkpoint name (lower-case letters, digits, "
+                                      "'._-', starting with a letter or digit, at most 63)")
+        m = self._running(ref)
+        final = self.config.checkpoints_dir / name
+        if name in self._checkpointing or final.exists():
+            raise CheckpointExistsError(f"a checkpoint named {name!r} already exists")
+        self._checkpointing.add(name)
+        try:
+            tmp = self.config.checkpoints_dir / f".tmp-{secrets.token_hex(6)}"
+            await self._write_checkpoint(m, tmp, name)
+            try:
+                await asyncio.to_thread(os.rename, tmp, final)
+            except OSError as e:
+                await asyncio.to_thread(shutil.rmtree, tmp, True)
+                raise CheckpointFailedError(f"checkpoint {name!r}: cannot move it into place: {e}") from None
+        finally:
+            self._checkpointing.discard(name)
+        log.info("machine %s: checkpoint %s written", m.id, name)
+        return await asyncio.to_thread(self._checkpoint_info, final)
+
+    async def _write_checkpoint(self, m: Machine, directory: Path, name: str) -> None:
+        """Have the machine's VMM snapshot itself into ``directory``, then describe it in checkpoint.json."""
+        await asyncio.to_thread(directory.parent.mkdir, 0o700, True, True)
+        meta = {"name": name, "machine_id": m.id, "created_at": datetime.now(UTC).isoformat(), "image": m.image,
+                "image_digest": m.image_digest, "smolfile": to_mapping(m.smolfile),
+                "smolfile_digest": m.smolfile_digest, "base_dir": m.smolfile.base_dir}
+        try:
+            async with m.snapshot_lock:
+                await self.launcher.snapshot(m.state_dir, directory.absolute(), SNAPSHOT_TIMEOUT_S)
+            await asyncio.to_thread((directory / CHECKPOINT_META).write_text, json.dumps(meta, indent=1) + "\n")
+        except (LaunchError, OSError) as e:
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+            if m.exited.is_set():
+                raise WrongPhaseError(f"machine {m.id} failed: {m.failure_reason or self._exit_reason(m)}") from None
+            raise CheckpointFailedError(f"machine {m.id}: snapshot failed: {e}") from None
+
+    def _checkpoint_info(self, directory: Path) -> CheckpointInfo:
+        meta = _read_meta(directory)
+        size = sum(p.lstat().st_blocks * 512 for p in directory.iterdir() if p.is_file())
+        try:
+            created = datetime.fromisoformat(str(meta.get("created_at")))
+        except ValueError:
+            created = datetime.fromtimestamp(directory.stat().st_mtime, UTC)
+        return CheckpointInfo(name=directory.name, path=str(directory), size_bytes=size, created_at=created,
+                              machine_id=str(meta.get("machine_id", "")))
+
+    def _load_checkpoint(self, name: str) -> tuple[Path, Smolfile, str]:
+        """The checkpoint's directory, the Smolfile and image digest of the machine it was taken of."""
+        if not CHECKPOINT_NAME_RE.fullmatch(name):
+            raise InvalidRequestError(f"from_checkpoint: {name!r} is not a valid checkpoint name")
+        directory = self.config.checkpoints_dir / name
+        if not (directory / CHECKPOINT_META).is_file():
+            raise CheckpointNotFoundError(f"no checkpoint {name!r}")
+        meta = _read_meta(directory)
+        try:
+            smolfile = parse_mapping(meta["smolfile"], base_dir=meta.get("base_dir"))
+        except (KeyError, TypeError, SmolfileError) as e:
+            raise CheckpointNotFoundError(f"checkpoint {name!r} is unreadable: {e}") from None
+        return directory, smolfile, str(meta.get("image_digest", ""))
+
+    async def create_from_checkpoint(self, checkpoint: str, name: str = "") -> MachineInfo:
+        """Start a machine by restoring a named checkpoint (new hostname and identity) instead of booting."""
+        directory, smolfile, image_digest = await asyncio.to_thread(self._load_checkpoint, checkpoint)
+        m = await self._create(smolfile, name, f"checkpoint {checkpoint}", [], restore=directory,
+                               image_digest=image_digest)
+        return self.info(m)
+
+    async def fork(self, ref: str, count: int) -> list[MachineInfo]:
+        """``count`` copy-on-write children of a running machine, each restored from one private snapshot of
+        it with its own identity; the parent keeps running. All children are created, or none."""
+        if not 1 <= count <= MAX_FORK:
+            raise InvalidRequestError(f"count: must be 1 to {MAX_FORK} (got {count})")
+        parent = self._running(ref)
+        if self._closing:
+            raise ShuttingDownError("the daemon is shutting down")
+        live = sum(1 for m in self._machines.values() if m.phase in LIVE)
+        if live + count > self.config.max_machines:
+            raise LimitExceededError(f"machine limit reached: {count} children requested, {live} of "
+                                     f"{self.config.max_machines} machines are running or being created")
+        want = count * parent.memory_mib
+        if self.memory_in_use_mib + want > self.config.max_memory_mib:
+            raise LimitExceededError(f"memory limit reached: {want} MiB requested, {self.memory_in_use_mib} of "
+                                     f"{self.config.max_memory_mib} MiB in use")
+        base = self.config.forks_dir / f"{parent.id}-{secrets.token_hex(4)}"
+        self._pinned.add(base)
+        try:
+            await self._write_checkpoint(parent, base, "")
+            results = await asyncio.gather(
+                *(self._create(parent.smolfile, "", f"fork of {parent.id}", [], restore=base,
+                               image_digest=parent.image_digest) for _ in range(count)),
+                return_exceptions=True)
+            children = [r for r in results if isinstance(r, Machine)]
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                doomed = children + [self._machines[e.machine_id] for e in errors
+                                     if isinstance(e, CreateFailedError) and e.machine_id in self._machines]
+                await asyncio.gather(*(self._destroy_quietly(c) for c in doomed))
+                raise errors[0]
+        finally:
+            self._pinned.discard(base)
+            await self._release_fork_base(base)
+        log.info("machine %s forked into %s", parent.id, ", ".join(c.id for c in children))
+        return [self.info(c) for c in children]
+
+    async def _release_fork_base(self, base: Path | None) -> None:
+        """Remove a private fork base once no machine in the table was restored from it."""
+        if base is None or base.parent != self.config.forks_dir or base in self._pinned:
+            return
+        if any(m.checkpoint == base for m in self._machines.values()):
+            return
+        await asyncio.to_thread(shutil.rmtree, base, True)
+        log.info("fork base %s removed (its last machine was destroyed)", base.name)
 
     # --- run ----------------------------------------------------------------------------------------------------
     async def run(self, smolfile: Smolfile, name: str = "", filename: str = "Smolfile.toml") -> RunResult:
@@ -783,6 +938,16 @@ class Controller:
 def _hostname(m: Machine) -> str:
     base = m.name or m.id
     return re.sub(r"[^a-z0-9-]", "-", base.lower()).strip("-")[:63] or m.id
+
+
+def _read_meta(directory: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((directory / CHECKPOINT_META).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointNotFoundError(f"checkpoint {directory.name!r} is unreadable: {e}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointNotFoundError(f"checkpoint {directory.name!r} is unreadable: not a JSON object")
+    return meta
 
 
 def _read_capped(path: Path, cap: int) -> bytes:

@@ -39,6 +39,24 @@ class MachineNotFoundError(DaemonError):
     status = Status.NOT_FOUND
 
 
+class CheckpointNotFoundError(DaemonError):
+    """No checkpoint has that name."""
+
+    status = Status.NOT_FOUND
+
+
+class CheckpointExistsError(DaemonError):
+    """A checkpoint of that name already exists (or is being written)."""
+
+    status = Status.ALREADY_EXISTS
+
+
+class CheckpointFailedError(DaemonError):
+    """The machine's VMM could not write a snapshot (no control socket, refused, I/O error)."""
+
+    status = Status.INTERNAL
+
+
 class ImageNotFoundError(DaemonError):
     """The Smolfile names an image this daemon does not have."""
 
@@ -64,7 +82,7 @@ class LimitExceededError(DaemonError):
 
 
 class UnsupportedError(DaemonError):
-    """The request asks for something this daemon does not implement (yet): Fork, Snapshot, networking."""
+    """The request asks for something this daemon does not implement (yet): networking."""
 
     status = Status.UNIMPLEMENTED
 

@@ -2,8 +2,9 @@
 
 A Launcher is the one place that knows what a "VM process" is. The controller asks it for the command
 line (``command``), starts that in its own session (``spawn``), waits for ``ready.json`` in the machine's
-state directory (``wait_ready``) and reaches the guest agent through ``connect``. Booting from a baked
-snapshot instead of a cold boot only changes ``VmmLauncher.command``.
+state directory (``wait_ready``), reaches the guest agent through ``connect`` and asks the VM process for a
+snapshot through its control socket (``snapshot``). Restoring a checkpoint instead of a cold boot
+(``LaunchSpec.restore_from``) only changes ``VmmLauncher.command``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .process import ChildProcess
 READY_FILE = "ready.json"   # written by the VM process once its guest agent answers (removed at exit)
 EXIT_FILE = "exit.json"     # written by the VMM when it ends: {kind, detail, error, exit_code}
 CONSOLE_FILE = "console.log"
+CONTROL_FILE = "control.sock"  # the VMM's control socket (smold/vmm/control.py)
 LOG_FILE = "vmm.log"        # the VM process's stdout and stderr
 READY_POLL_S = 0.05
 
@@ -43,6 +45,7 @@ class LaunchSpec:
     memory_mib: int
     hostname: str
     boot_timeout: float
+    restore_from: Path | None = None  # a snapshot directory to restore (new identity) instead of booting
 
 
 class Launcher(abc.ABC):
@@ -83,6 +86,24 @@ class Launcher(abc.ABC):
                 return info
             await asyncio.sleep(READY_POLL_S)
 
+    async def snapshot(self, state_dir: Path, directory: Path, timeout: float = 300.0) -> dict[str, Any]:
+        """Have the VM process write a snapshot of its running VM into ``directory`` (absolute) and resume;
+        returns the control socket's ``snapshot`` reply. LaunchError when it cannot."""
+        from smold.vmm.control import ControlError, control_request  # the VMM package only when needed
+
+        sock = state_dir / CONTROL_FILE
+        if not sock.exists():
+            raise LaunchError(f"the VM process has no control socket ({sock})")
+        try:
+            reply = await control_request(sock, {"op": "snapshot", "dir": str(directory), "resume": True},
+                                          timeout=timeout)
+        except (ControlError, OSError, ValueError, TimeoutError) as e:
+            raise LaunchError(f"control socket {sock}: {e or type(e).__name__}") from None
+        if not reply.get("ok"):
+            raise LaunchError(f"the VMM refused the snapshot: {reply.get('error')}")
+        info = reply.get("snapshot")
+        return info if isinstance(info, dict) else {}
+
     @abc.abstractmethod
     async def connect(self, state_dir: Path, ready: dict[str, Any], timeout: float = 10.0) -> AgentClient:
         """A new connection to the machine's guest agent (HELLO done)."""
@@ -98,7 +119,8 @@ def read_ready(path: Path) -> dict[str, Any] | None:
 
 
 class VmmLauncher(Launcher):
-    """One ``python -m smold.vmm`` process per VM, cold-booting the image (smold/vmm/__main__.py)."""
+    """One ``python -m smold.vmm`` process per VM, cold-booting the image or restoring a snapshot
+    (smold/vmm/__main__.py)."""
 
     kind = "vmm"
 
@@ -107,6 +129,16 @@ class VmmLauncher(Launcher):
 
     def command(self, spec: LaunchSpec) -> list[str]:
         d = spec.state_dir
+        if spec.restore_from is not None:  # vCPUs, memory, kernel and disk come from the snapshot
+            return [
+                self.python, "-m", "smold.vmm",
+                "--restore", str(spec.restore_from),
+                "--state-dir", str(d),
+                "--console-log", str(d / CONSOLE_FILE),
+                "--boot-timeout", f"{spec.boot_timeout:g}",
+                "--hostname", spec.hostname,
+                "--new-identity",
+            ]
         return [
             self.python, "-m", "smold.vmm",
             "--kernel", str(spec.image.kernel),

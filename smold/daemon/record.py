@@ -36,6 +36,7 @@ class MachineRecord:
     argv: list[str] = field(default_factory=list)
     started: int | None = None      # /proc/PID/stat start time of the VM process
     failure_reason: str = ""
+    checkpoint: str = ""            # the checkpoint directory it was restored from ("" when booted)
     version: int = RECORD_VERSION
 
     def save(self, state_dir: Path) -> None:

@@ -15,7 +15,7 @@ from smold.api.v1 import smol_pb2_grpc as pb_grpc
 from smold.smolfile import Limits, Smolfile, SmolfileError
 
 from .controller import Controller
-from .errors import DaemonError
+from .errors import DaemonError, InvalidRequestError
 
 log = logging.getLogger("smold.servicer")
 T = TypeVar("T")
@@ -62,8 +62,14 @@ class SmolServicer(pb_grpc.SmolServicer):
 
     async def CreateMachine(self, request: pb.CreateMachineRequest, context: Any) -> pb.CreateMachineResponse:
         async def go() -> pb.CreateMachineResponse:
-            sf, filename = self._smolfile(request.smolfile)
-            info = await self.controller.create(sf, request.name, filename)
+            if request.from_checkpoint:
+                if request.HasField("smolfile"):
+                    raise InvalidRequestError("smolfile: must be unset with from_checkpoint (a restored machine "
+                                              "keeps the Smolfile of the machine the checkpoint was taken of)")
+                info = await self.controller.create_from_checkpoint(request.from_checkpoint, request.name)
+            else:
+                sf, filename = self._smolfile(request.smolfile)
+                info = await self.controller.create(sf, request.name, filename)
             return pb.CreateMachineResponse(machine=convert.machine_to_proto(info))
         return await self._call(context, go)
 
@@ -128,9 +134,13 @@ class SmolServicer(pb_grpc.SmolServicer):
         return await self._call(context, go)
 
     async def Fork(self, request: pb.ForkRequest, context: Any) -> pb.ForkResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Fork is not implemented yet (it needs snapshots)")
-        raise AssertionError("unreachable")
+        async def go() -> pb.ForkResponse:
+            children = await self.controller.fork(request.machine_id, request.count)
+            return pb.ForkResponse(machines=[convert.machine_to_proto(c) for c in children])
+        return await self._call(context, go)
 
     async def Snapshot(self, request: pb.SnapshotRequest, context: Any) -> pb.SnapshotResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Snapshot is not implemented yet")
-        raise AssertionError("unreachable")
+        async def go() -> pb.SnapshotResponse:
+            info = await self.controller.snapshot(request.machine_id, request.name)
+            return pb.SnapshotResponse(checkpoint=convert.checkpoint_to_proto(info))
+        return await self._call(context, go)

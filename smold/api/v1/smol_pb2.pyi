@@ -264,12 +264,14 @@ class VerifyResult(_message.Message):
     def __init__(self, passed: _Optional[bool] = ..., checks: _Optional[_Iterable[_Union[CheckResult, _Mapping]]] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., duration_ms: _Optional[int] = ...) -> None: ...
 
 class CreateMachineRequest(_message.Message):
-    __slots__ = ("name", "smolfile")
+    __slots__ = ("name", "smolfile", "from_checkpoint")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SMOLFILE_FIELD_NUMBER: _ClassVar[int]
+    FROM_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     name: str
     smolfile: Smolfile
-    def __init__(self, name: _Optional[str] = ..., smolfile: _Optional[_Union[Smolfile, _Mapping]] = ...) -> None: ...
+    from_checkpoint: str
+    def __init__(self, name: _Optional[str] = ..., smolfile: _Optional[_Union[Smolfile, _Mapping]] = ..., from_checkpoint: _Optional[str] = ...) -> None: ...
 
 class CreateMachineResponse(_message.Message):
     __slots__ = ("machine",)
@@ -447,6 +449,34 @@ class RunResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ..., error: _Optional[str] = ..., duration_ms: _Optional[int] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
+    __slots__ = ("machine_id", "count")
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    machine_id: str
+    count: int
+    def __init__(self, machine_id: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class ForkResponse(_message.Message):
+    __slots__ = ("machines",)
+    MACHINES_FIELD_NUMBER: _ClassVar[int]
+    machines: _containers.RepeatedCompositeFieldContainer[Machine]
+    def __init__(self, machines: _Optional[_Iterable[_Union[Machine, _Mapping]]] = ...) -> None: ...
+
+class Checkpoint(_message.Message):
+    __slots__ = ("name", "path", "size_bytes", "created_at", "machine_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    size_bytes: int
+    created_at: _timestamp_pb2.Timestamp
+    machine_id: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., machine_id: _Optional[str] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
     __slots__ = ("machine_id", "name")
     MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -454,24 +484,8 @@ class ForkRequest(_message.Message):
     name: str
     def __init__(self, machine_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
-class ForkResponse(_message.Message):
-    __slots__ = ("machine",)
-    MACHINE_FIELD_NUMBER: _ClassVar[int]
-    machine: Machine
-    def __init__(self, machine: _Optional[_Union[Machine, _Mapping]] = ...) -> None: ...
-
-class SnapshotRequest(_message.Message):
-    __slots__ = ("machine_id", "tag")
-    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
-    TAG_FIELD_NUMBER: _ClassVar[int]
-    machine_id: str
-    tag: str
-    def __init__(self, machine_id: _Optional[str] = ..., tag: _Optional[str] = ...) -> None: ...
-
 class SnapshotResponse(_message.Message):
-    __slots__ = ("snapshot_id", "created_at")
-    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
-    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
-    snapshot_id: str
-    created_at: _timestamp_pb2.Timestamp
-    def __init__(self, snapshot_id: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: Checkpoint
+    def __init__(self, checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...

@@ -159,14 +159,15 @@ class SmolServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Fork(self, request, context):
-        """Copy-on-write clone of a running machine (declared; implemented with snapshots).
+        """Copy-on-write clones of a running machine: `count` new machines restored from a private snapshot
+        of it, each with its own identity; the parent keeps running.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Snapshot(self, request, context):
-        """Save a machine's full state (declared; implemented with snapshots).
+        """Save a running machine's full state as a named checkpoint that CreateMachine can start from.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
