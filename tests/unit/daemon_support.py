@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from smold.agent import AgentClient, connect_unix, wait_ready
+from smold.daemon.config import DaemonConfig
 from smold.daemon.errors import LaunchError
 from smold.daemon.images import ImageStore
 from smold.daemon.launcher import READY_FILE, Launcher, LaunchSpec
 from smold.daemon.process import ChildProcess
+from smold.daemon.server import Daemon
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT_DIR = Path(__file__).resolve().parent
@@ -86,6 +88,20 @@ def fake_image_files(tmp: Path) -> tuple[Path, Path, Path]:
         p.write_bytes(name.encode() * 100)
         files.append(p)
     return files[0], files[1], files[2]
+
+
+async def start_daemon_task(config: DaemonConfig, images: ImageStore,
+                            launcher: Launcher | None = None) -> tuple[Daemon, asyncio.Task[None]]:
+    """An in-process daemon serving ``config``, with VMs replaced by host agents unless ``launcher``."""
+    daemon = Daemon(config, launcher=launcher or HostAgentLauncher(), images=images)
+    task = asyncio.create_task(daemon.run(handle_signals=False))
+    for _ in range(500):
+        if daemon.server is not None or task.done():
+            break
+        await asyncio.sleep(0.01)
+    if task.done():
+        task.result()
+    return daemon, task
 
 
 def fake_images(tmp: Path) -> ImageStore:

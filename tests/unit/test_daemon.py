@@ -33,6 +33,7 @@ from daemon_support import (
     files_under,
     pid_alive,
     processes_mentioning,
+    start_daemon_task,
     unix_sockets_under,
 )
 
@@ -73,15 +74,7 @@ async def start_daemon(d: Path, launcher: Launcher | None = None, **overrides: o
     config = replace(DaemonConfig(socket_path=d / "smold.sock", state_dir=d / "state", max_machines=8,
                                   max_memory_mib=8192, copy_cap_bytes=COPY_CAP, destroy_grace_s=5.0),
                      **overrides)
-    daemon = Daemon(config, launcher=launcher or HostAgentLauncher(), images=fake_images(d))
-    task = asyncio.create_task(daemon.run(handle_signals=False))
-    for _ in range(500):
-        if daemon.server is not None or task.done():
-            break
-        await asyncio.sleep(0.01)
-    if task.done():
-        task.result()
-    return daemon, task
+    return await start_daemon_task(config, fake_images(d), launcher)
 
 
 @pytest.fixture

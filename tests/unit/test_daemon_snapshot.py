@@ -19,7 +19,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon_support import HostAgentLauncher, fake_images, processes_mentioning, run_smolctl
+from daemon_support import (
+    HostAgentLauncher,
+    fake_images,
+    processes_mentioning,
+    run_smolctl,
+    start_daemon_task,
+)
 from test_snapshot_control import FakeMachine
 
 from smold.api import convert
@@ -83,14 +89,7 @@ def workdir() -> Iterator[Path]:
 async def env(workdir: Path) -> AsyncIterator[Env]:
     config = DaemonConfig(socket_path=workdir / "smold.sock", state_dir=workdir / "state", max_machines=6,
                           max_memory_mib=8192, destroy_grace_s=5.0)
-    daemon = Daemon(config, launcher=HostAgentLauncher(), images=fake_images(workdir))
-    task = asyncio.create_task(daemon.run(handle_signals=False))
-    for _ in range(500):
-        if daemon.server is not None or task.done():
-            break
-        await asyncio.sleep(0.01)
-    if task.done():
-        task.result()
+    daemon, task = await start_daemon_task(config, fake_images(workdir))
     e = Env(daemon, None, workdir, [])  # type: ignore[arg-type]
     async with grpc.aio.insecure_channel(f"unix:{workdir / 'smold.sock'}") as channel:
         e.stub = pb_grpc.SmolStub(channel)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon_support import REPO, UNIT_DIR, HostAgentLauncher, fake_image_files, fake_images
+from daemon_support import REPO, UNIT_DIR, fake_image_files, fake_images, start_daemon_task
 
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
@@ -64,14 +64,7 @@ async def served(tls: Tls) -> AsyncIterator[Served]:
     config = DaemonConfig(socket_path=tls.dir / "smold.sock", state_dir=tls.dir / "state", max_machines=4,
                           max_memory_mib=4096, destroy_grace_s=5.0, tcp="127.0.0.1:0", tls_cert=tls.cert,
                           tls_key=tls.key, token_file=tls.token)
-    daemon = Daemon(config, launcher=HostAgentLauncher(), images=fake_images(tls.dir))
-    task = asyncio.create_task(daemon.run(handle_signals=False))
-    for _ in range(500):
-        if daemon.server is not None or task.done():
-            break
-        await asyncio.sleep(0.01)
-    if task.done():
-        task.result()
+    daemon, task = await start_daemon_task(config, fake_images(tls.dir))
     assert daemon.tcp_port > 0
     yield Served(daemon, f"127.0.0.1:{daemon.tcp_port}", tls)
     daemon.stop()
