@@ -8,8 +8,6 @@ import http.server
 import json
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -17,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from test_agent import AgentProcess
 
 import smold.verifier.runner as runner_mod
 from smold.agent import AgentClient, AgentRequestError, connect_unix
@@ -46,41 +45,7 @@ pytestmark = pytest.mark.timeout(60)
 needs_python3 = pytest.mark.skipif(shutil.which("python3") is None, reason="the http probe runs python3")
 
 
-# --- a real agent on a Unix socket --------------------------------------------------------------------------
-class Agent:
-    """`python -m smol_agent --listen unix:PATH` as a subprocess."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.path = str(workdir / "agent.sock")
-        self.log = workdir / "agent.log"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "smol_agent", "--listen", f"unix:{self.path}"],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-            )
-        deadline = time.monotonic() + 15
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"agent exited early: {self.log.read_text()}")
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(self.path)
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"agent did not listen: {self.log.read_text()}") from None
-                time.sleep(0.01)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+# --- a real agent on a Unix socket (test_agent.AgentProcess) ------------------------------------------
 
 
 @pytest.fixture
@@ -91,8 +56,8 @@ def workdir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def agent(workdir: Path) -> Iterator[Agent]:
-    a = Agent(workdir)
+def agent(workdir: Path) -> Iterator[AgentProcess]:
+    a = AgentProcess(workdir)
     yield a
     alive = a.proc.poll() is None
     a.stop()
@@ -100,7 +65,7 @@ def agent(workdir: Path) -> Iterator[Agent]:
 
 
 @pytest.fixture
-async def client(agent: Agent) -> AsyncIterator[AgentClient]:
+async def client(agent: AgentProcess) -> AsyncIterator[AgentClient]:
     c = await connect_unix(agent.path)
     yield c
     await c.close()
