@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from test_daemon_vm import vmm_processes
 
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
@@ -38,19 +39,6 @@ START_BACKGROUND = ("echo forked > /root/shared; mkfifo /tmp/f; "
                     "</dev/null >/dev/null 2>&1 & echo started")
 PROBE = ("read m < /root/shared; read p < /tmp/bg.pid; alive=no; kill -0 $p && alive=yes; "
          "read h < /proc/sys/kernel/hostname; c0=absent; [ -e /root/only-c0 ] && c0=present; echo $m $alive $h $c0")
-
-
-def vmm_processes(path: Path) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"smold.vmm" in cmdline and str(path).encode() in cmdline:
-                found.append(int(entry))
-    return found
 
 
 @pytest.fixture(scope="module")
