@@ -28,7 +28,9 @@ PID1_ENV = {
     "LANG": "C.UTF-8",
     "TERM": "linux",
 }
-_PID1_IGNORED = (
+# PID 1 swallows these with a no-op handler rather than SIG_IGN: a handled signal is reset to SIG_DFL by
+# exec (and by the vfork spawn path), an ignored one would stay ignored in every command the agent runs.
+_PID1_SWALLOWED = (
     _signal.SIGTERM,
     _signal.SIGINT,
     _signal.SIGHUP,
@@ -128,8 +130,12 @@ def setup_pid1() -> None:
     os.environ.update(PID1_ENV)
     os.chdir("/")
     os.umask(0o022)
-    for sig in _PID1_IGNORED:
-        _signal.signal(sig, _signal.SIG_IGN)
+    for sig in _PID1_SWALLOWED:
+        _signal.signal(sig, _swallow)
+
+
+def _swallow(signum: int, frame: object) -> None:
+    """Handler for the signals PID 1 must survive (see _PID1_SWALLOWED)."""
 
 
 def reboot_guest() -> None:

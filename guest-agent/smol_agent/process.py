@@ -1,10 +1,22 @@
-"""Child processes: fork/exec spawning into a new session, and the single waitpid(-1) reaper."""
+"""Child processes: vfork/exec (or fork/exec) spawning into a new session, and the single waitpid(-1) reaper."""
 
-# subprocess is deliberately not used: as PID 1 the agent must reap every orphan with one waitpid(-1) loop,
-# which would race with subprocess's own per-child waitpid. The same reaper runs in non-pid1 mode.
+# subprocess.Popen is deliberately not used: as PID 1 the agent must reap every orphan with one waitpid(-1)
+# loop, which would race with Popen's own per-child waitpid. The same reaper runs in non-pid1 mode.
+#
+# Spawning: fork() of this ~30 MB Python process copies its page tables and then takes copy-on-write
+# faults, all of it kernel work, which under an emulated guest kernel costs seconds per command
+# (docs/performance.md). _posixsubprocess.fork_exec (the C core of subprocess) uses vfork(): no
+# page-table copy. It is used whenever no user switch is needed (CPython only vforks without
+# setuid/setgid/setgroups) on the CPython versions whose signature is known; otherwise os.fork().
 
 import _signal
 import os
+import sys
+
+try:
+    import _posixsubprocess
+except ImportError:  # pragma: no cover - not CPython
+    _posixsubprocess = None  # type: ignore[assignment]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -182,7 +194,25 @@ class Reaper:
         stderr_fd: int,
         on_exit: "Callable[[int], None]",
     ) -> int:
-        """Fork and exec argv; returns the pid (also its pgid) or raises SpawnError with the child's errno."""
+        """Start argv in a new session; returns the pid (also its pgid) or raises SpawnError."""
+        if user is None and VFORK_SPAWN:
+            pid = vfork_exec(argv, env, cwd, stdin_fd, stdout_fd, stderr_fd)
+            self.register(pid, on_exit)
+            return pid
+        return self.fork_spawn(argv, env, cwd, user, stdin_fd, stdout_fd, stderr_fd, on_exit)
+
+    def fork_spawn(
+        self,
+        argv: "list[str]",
+        env: "dict[str, str]",
+        cwd: str,
+        user: "UserInfo | None",
+        stdin_fd: int,
+        stdout_fd: int,
+        stderr_fd: int,
+        on_exit: "Callable[[int], None]",
+    ) -> int:
+        """os.fork() and exec argv (any user); returns the pid (also its pgid) or raises SpawnError."""
         err_r, err_w = os.pipe()  # O_CLOEXEC: EOF on a successful exec
         try:
             pid = os.fork()
@@ -239,3 +269,72 @@ def kill_group(pgid: int, sig: int = _signal.SIGKILL) -> bool:
     except PermissionError:
         return False
     return True
+
+
+# _posixsubprocess.fork_exec(args, executable_list, close_fds, pass_fds, cwd, env, p2cread, p2cwrite,
+# c2pread, c2pwrite, errread, errwrite, errpipe_read, errpipe_write, restore_signals, call_setsid,
+# pgid_to_set, gid, extra_groups, uid, child_umask, preexec_fn, allow_vfork): CPython 3.11-3.13.
+VFORK_SPAWN = _posixsubprocess is not None and (3, 11) <= sys.version_info[:2] <= (3, 13)
+
+
+def vfork_exec(
+    argv: "list[str]", env: "dict[str, str]", cwd: str, stdin_fd: int, stdout_fd: int, stderr_fd: int
+) -> int:
+    """vfork, setsid, dup2 the three fds, close all others, chdir, exec (PATH from env); returns the pid.
+
+    The child resets handled signals and SIGPIPE/SIGXFSZ to SIG_DFL and gets the caller's signal mask; so
+    the agent must not leave other signals ignored (SIG_IGN survives exec) nor blocked. A failure before
+    or at exec raises SpawnError ('cwd' or 'exec') after the child is reaped.
+    """
+    env_list = []
+    for k, v in env.items():
+        key = os.fsencode(k)
+        if b"=" in key or b"\0" in key:
+            raise SpawnError("exec", 22, f"invalid environment variable name {k!r}")
+        env_list.append(key + b"=" + os.fsencode(v))
+    exe = os.fsencode(argv[0])
+    if os.path.dirname(exe):
+        executables: tuple[bytes, ...] = (exe,)
+    else:  # the lookup os.execvpe does, with the child's PATH
+        executables = tuple(os.path.join(os.fsencode(d), exe) for d in os.get_exec_path(env))
+    err_r, err_w = os.pipe()  # O_CLOEXEC: EOF on a successful exec
+    try:
+        pid = _posixsubprocess.fork_exec(
+            [os.fsencode(a) for a in argv], executables, True, (err_w,), cwd, env_list,
+            stdin_fd, -1, -1, stdout_fd, -1, stderr_fd, err_r, err_w,
+            True, True, -1, None, None, None, -1, None, True,
+        )
+        os.close(err_w)
+        err_w = -1
+        data = b""
+        while True:
+            try:
+                chunk = os.read(err_r, 4096)
+            except InterruptedError:
+                continue
+            if not chunk or len(data) > 4096:
+                break
+            data += chunk
+    finally:
+        os.close(err_r)
+        if err_w >= 0:
+            os.close(err_w)
+    if not data:
+        return pid
+    while True:  # the child _exit()ed before exec: collect it here, it was never registered
+        try:
+            os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+        except ChildProcessError:
+            break
+    # "ExceptionName:hex_errno:message"; message "noexec" means the chdir (or another pre-exec step) failed.
+    _name, _, rest = data.decode("ascii", "replace").partition(":")
+    hex_errno, _, msg = rest.partition(":")
+    try:
+        code = int(hex_errno, 16)
+    except ValueError:
+        code = 0
+    stage = "cwd" if msg.startswith("noexec") else "exec"
+    raise SpawnError(stage, code, os.strerror(code) if code else (msg or "child setup failed"))

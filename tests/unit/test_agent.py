@@ -1,6 +1,7 @@
 """End-to-end tests of the guest agent (real subprocess on a Unix socket) driven by the real AgentClient."""
 
 import asyncio
+import errno
 import os
 import shutil
 import signal
@@ -273,7 +274,7 @@ async def test_missing_executable_and_cwd_and_permission(client, workdir):
     assert info.value.code == "ENOENT" and "definitely-not-a-command-xyz" in info.value.message
     with pytest.raises(AgentRequestError) as info:
         await client.run(["true"], cwd="/nonexistent/dir")
-    assert info.value.code == "ENOENT"
+    assert info.value.code == "ENOENT" and "cannot change directory" in info.value.message
     script = workdir / "noexec.sh"
     script.write_text("#!/bin/sh\necho hi\n")
     script.chmod(0o644)
@@ -282,6 +283,46 @@ async def test_missing_executable_and_cwd_and_permission(client, workdir):
     assert info.value.code == "EACCES"
     # the connection is still usable after failed requests
     assert (await client.run(["true"])).exit_code == 0
+
+
+@pytest.mark.parametrize("vfork", [True, False], ids=["vfork", "fork"])
+def test_spawn_paths_report_the_failing_stage(monkeypatch, tmp_path, vfork):
+    """Reaper.spawn: both the vfork and the fork path name the stage and errno of a failed start."""
+    from smol_agent import process
+
+    if vfork and not process.VFORK_SPAWN:
+        pytest.skip("no vfork spawn on this Python")
+    monkeypatch.setattr(process, "VFORK_SPAWN", vfork)
+    reaper = process.Reaper()
+    env = {"PATH": "/usr/bin:/bin"}
+    noexec = tmp_path / "noexec.sh"
+    noexec.write_text("#!/bin/sh\n")
+    noexec.chmod(0o644)
+    for argv, cwd, stage, code in (
+        (["no-such-command-xyz"], "/", "exec", errno.ENOENT),
+        (["true"], str(tmp_path / "missing"), "cwd", errno.ENOENT),
+        ([str(noexec)], "/", "exec", errno.EACCES),
+    ):
+        with pytest.raises(process.SpawnError) as info:
+            reaper.spawn(argv, env, cwd, None, 0, 1, 2, lambda status: None)
+        assert (info.value.stage, info.value.errno) == (stage, code), argv
+    r, w = os.pipe()
+    try:
+        statuses: list[int] = []
+        pid = reaper.spawn(["sh", "-c", "echo $PWD; exit 3"], env, str(tmp_path), None, 0, w, 2, statuses.append)
+        os.close(w)
+        w = -1
+        assert os.read(r, 100) == f"{tmp_path}\n".encode()
+        deadline = time.monotonic() + 10
+        while not statuses:
+            assert time.monotonic() < deadline
+            reaper.reap()
+            time.sleep(0.01)
+        assert os.waitstatus_to_exitcode(statuses[0]) == 3 and pid > 0
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
 
 
 async def test_invalid_exec_requests(client):
@@ -677,6 +718,32 @@ async def test_pid1_ignores_sigterm_and_env_is_sane(pid1_agent):
         r = await c.run(["sh", "-c", 'echo "$PATH"; trap - TERM; kill -TERM $$'])
         assert b"/usr/bin" in r.stdout
         assert r.signal == signal.SIGTERM  # dispositions ignored by PID 1 are reset in the child
+
+
+def _sigmask(status: bytes, field: bytes) -> int:
+    for line in status.splitlines():
+        if line.startswith(field + b":"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no {field!r} in {status!r}")
+
+
+@needs_pidns
+@pytest.mark.parametrize("user", [None, "root"], ids=["vfork-path", "fork-path"])
+async def test_pid1_children_start_with_default_signal_dispositions(pid1_agent, user):
+    """Both spawn paths hand commands a clean slate: nothing ignored or blocked that PID 1 swallows."""
+    async with await connect_unix(pid1_agent.path) as c:
+        r = await c.run(["cat", "/proc/self/status"], user=user)
+        assert r.exit_code == 0, r.stderr
+        ignored, blocked = _sigmask(r.stdout, b"SigIgn"), _sigmask(r.stdout, b"SigBlk")
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE,
+                    signal.SIGUSR1, signal.SIGCHLD):
+            assert not ignored & (1 << (sig - 1)), f"{sig!r} ignored in the child ({user=})"
+        assert blocked == 0, f"signals blocked in the child: {blocked:#x}"
+        r = await c.run(["sh", "-c", "pwd; echo $$; cat /proc/$$/stat"], cwd="/tmp", user=user)
+        out = r.stdout.split(b"\n")
+        assert out[0] == b"/tmp"
+        pid, stat = out[1], out[2].rpartition(b")")[2].split()
+        assert stat[2] == pid and stat[3] == pid  # pgrp and session: its own process group and session
 
 
 @needs_pidns
