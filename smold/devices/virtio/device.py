@@ -100,11 +100,18 @@ class VirtioDevice(abc.ABC):
     def queue_notify(self, index: int) -> None:
         """Process queue ``index`` after the driver kicked it."""
 
-    def process_queue(self, index: int, handle: Callable[[GuestMemory, DescriptorChain], int]) -> None:
+    def process_queue(
+        self,
+        index: int,
+        handle: Callable[[GuestMemory, DescriptorChain], int],
+        *,
+        done: Callable[[], bool] | None = None,
+    ) -> None:
         """Complete every available chain of queue ``index`` with ``handle``'s used length.
 
-        Bounded to one queue's worth per kick (the driver kicks again for more). A malformed chain is
-        completed with used length 0 (§2.7.4); one interrupt is raised if anything completed.
+        Bounded to one queue's worth per kick (the driver kicks again for more), and stops early once
+        ``done()`` is true (checked before each chain). A malformed chain is completed with used length 0
+        (§2.7.4); one interrupt is raised if anything completed.
         """
         if not self.activated or self.mem is None or self.interrupt is None or index >= len(self.queues):
             return
@@ -113,6 +120,8 @@ class VirtioDevice(abc.ABC):
         completed = 0
         try:
             for _ in range(q.size):
+                if done is not None and done():
+                    break
                 try:
                     chain = q.pop(mem)
                 except ChainError as e:

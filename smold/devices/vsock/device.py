@@ -590,38 +590,20 @@ class Vsock(VirtioDevice):
 
     # -- event queue (§5.10.6.7) -------------------------------------------------------------------------
     def _deliver_event(self) -> None:
-        if not self._event_pending or not self.activated or self.mem is None or self.interrupt is None:
-            return
-        if len(self.queues) <= EVENT_QUEUE:
-            return
-        mem = self.mem
-        q = self.queues[EVENT_QUEUE]
-        completed = 0
+        """Hand a pending TRANSPORT_RESET event to the first usable event buffer (one event, then stop)."""
+        if self._event_pending:
+            self.process_queue(EVENT_QUEUE, self._write_event, done=lambda: not self._event_pending)
+
+    def _write_event(self, mem: GuestMemory, chain: DescriptorChain) -> int:
+        if chain.readable or chain.writable_len < EVENT_SIZE:
+            return 0  # not a device-writable buffer of one event: completed unused
         try:
-            for _ in range(q.size):
-                try:
-                    chain = q.pop(mem)
-                except ChainError as e:
-                    q.add_used(mem, e.head, 0)
-                    completed += 1
-                    continue
-                if chain is None:
-                    break
-                completed += 1
-                if chain.readable or chain.writable_len < EVENT_SIZE:
-                    q.add_used(mem, chain.head, 0)
-                    continue
-                try:
-                    used = chain.write_all(mem, struct.pack("<I", EVENT_TRANSPORT_RESET))
-                except ChainError:
-                    used = 0
-                q.add_used(mem, chain.head, used)
-                if used == EVENT_SIZE:
-                    self._event_pending = False
-                    break
-        finally:
-            if completed:
-                self.interrupt.signal_used(EVENT_QUEUE)
+            used = chain.write_all(mem, struct.pack("<I", EVENT_TRANSPORT_RESET))
+        except ChainError:
+            return 0
+        if used == EVENT_SIZE:
+            self._event_pending = False
+        return used
 
     # -- snapshot -------------------------------------------------------------------------------------
     def save(self) -> VsockState:
