@@ -34,9 +34,12 @@ memory = "512M"
 boot = 900
 """
 # A background process that needs no process per tick (an exec costs seconds of emulated kernel time).
-START_BACKGROUND = ("echo forked > /root/shared; mkfifo /tmp/f; "
-                    "setsid bash -c 'echo $$ > /tmp/bg.pid; exec 3<>/tmp/f; while :; do read -t 1 -u 3; done' "
-                    "</dev/null >/dev/null 2>&1 & echo started")
+START_BACKGROUND = ("echo forked > /root/shared; mkfifo /tmp/f /tmp/up; "
+                    "setsid bash -c 'echo $$ > /tmp/bg.pid; echo up > /tmp/up; exec 3<>/tmp/f; "
+                    "while :; do read -t 1 -u 3; done' </dev/null >/dev/null 2>&1 & "
+                    # Wait until it has written its pid: starting bash takes seconds of emulated kernel work, and a
+                    # fork taken before then would leave the children racing the probe below.
+                    "read up < /tmp/up; echo started")
 PROBE = ("read m < /root/shared; read p < /tmp/bg.pid; alive=no; kill -0 $p && alive=yes; "
          "read h < /proc/sys/kernel/hostname; c0=absent; [ -e /root/only-c0 ] && c0=present; echo $m $alive $h $c0")
 
