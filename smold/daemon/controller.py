@@ -46,8 +46,6 @@ from smold.smolfile import (
     parse_mapping,
     to_mapping,
 )
-from smold.snapshot.errors import SnapshotError
-from smold.snapshot.store import read_snapshot
 from smold.verifier import Evidence, VerifyResult, tail_text, verify
 
 from . import guestops
@@ -984,12 +982,13 @@ class Controller:
             return BakeInfo(key=key, path=str(directory), image="", image_digest="", cpus=0, memory_mib=0,
                             size_bytes=self.bakes.size_bytes(key), created_at=datetime.fromtimestamp(0, UTC),
                             error=str(e), machine_ids=machines)
-        error = self.bakes.known_error(key) or ""
-        if not error:
-            try:  # the state file's checks are cheap; the memory file's hash is only reported once known
-                read_snapshot(directory)
-            except (SnapshotError, OSError) as e:
-                error = f"bake {key_short(key)}: {e}"
+        error = ""
+        try:  # the cheap checks; the memory file's hash is only reported once a create computed it
+            self.bakes.verify(key, hash_memory=False)
+        except BakeCorruptError as e:
+            error = str(e)
+        except OSError as e:
+            error = f"bake {key_short(key)}: {e}"
         return BakeInfo(key=key, path=str(directory), image=meta.image, image_digest=meta.image_digest,
                         cpus=meta.cpus, memory_mib=meta.memory_mib, size_bytes=self.bakes.size_bytes(key),
                         created_at=meta.created, bake_seconds=float(meta.bake_seconds),
