@@ -806,10 +806,10 @@ class Controller:
         finally:
             self._checkpointing.discard(name)
         log.info("machine %s: checkpoint %s written", m.id, name)
-        return await asyncio.to_thread(self._checkpoint_info, final)
+        return self._checkpoint_info(final)  # small files; reads the machine table
 
-    async def _write_checkpoint(self, m: Machine, directory: Path, name: str, *, digest: bool = False) -> None:
-        """Have the machine's VMM snapshot itself into ``directory`` (``digest``: with the memory file's
+    async def _write_checkpoint(self, m: Machine, directory: Path, name: str, *, memory_digest: bool = False) -> None:
+        """Have the machine's VMM snapshot itself into ``directory`` (``memory_digest``: with the memory file's
         sha256 in the state), then describe it in checkpoint.json."""
         await asyncio.to_thread(directory.parent.mkdir, 0o700, True, True)
         meta = {"name": name, "machine_id": m.id, "created_at": datetime.now(UTC).isoformat(), "image": m.image,
@@ -817,7 +817,8 @@ class Controller:
                 "smolfile_digest": m.smolfile_digest, "base_dir": m.smolfile.base_dir}
         try:
             async with m.snapshot_lock:
-                await self.launcher.snapshot(m.state_dir, directory.absolute(), SNAPSHOT_TIMEOUT_S, digest=digest)
+                await self.launcher.snapshot(m.state_dir, directory.absolute(), SNAPSHOT_TIMEOUT_S,
+                                           digest=memory_digest)
             await asyncio.to_thread((directory / CHECKPOINT_META).write_text, json.dumps(meta, indent=1) + "\n")
         except (LaunchError, OSError) as e:
             await asyncio.to_thread(shutil.rmtree, directory, True)
@@ -958,7 +959,7 @@ class Controller:
                 raise
             try:
                 tmp = self.config.bakes_dir / f".tmp-{secrets.token_hex(6)}"
-                await self._write_checkpoint(m, tmp, "", digest=True)
+                await self._write_checkpoint(m, tmp, "", memory_digest=True)
                 meta = BakeMeta.for_smolfile(key, smolfile, image, mounts, time.monotonic() - start)
                 try:
                     await asyncio.to_thread(_finish_bake, tmp, final, meta.to_json())
