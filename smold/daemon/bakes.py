@@ -268,21 +268,6 @@ class BakeStore:
         self._verified[hexkey] = (ident, "")
         return snap
 
-    def known_error(self, key: str) -> str | None:
-        """The verdict of the last memory check of this bake if its files did not change since: "" (good),
-        the error, or None (not checked, or changed)."""
-        hexkey = key_hex(key)
-        cached = self._verified.get(hexkey)
-        if cached is None:
-            return None
-        directory = self.path(key)
-        try:
-            snap = read_snapshot(directory)
-            ident = (*_identity(directory / STATE_FILE), *_identity(memory_path(directory, snap)))
-        except (SnapshotError, OSError):
-            return None
-        return cached[1] if cached[0] == ident else None
-
     def forget(self, key: str) -> None:
         self._verified.pop(key_hex(key), None)
 
