@@ -55,6 +55,7 @@ from .bakes import (
     BakeCorruptError,
     BakeExistsError,
     BakeMeta,
+    BakeNotFoundError,
     BakeStore,
     bake_key,
     mounts_digest,
@@ -926,6 +927,8 @@ class Controller:
             return None, ""
         try:
             await asyncio.to_thread(self.bakes.verify, key, smolfile=smolfile, image=image)
+        except BakeNotFoundError:  # deleted meanwhile
+            return None, ""
         except BakeCorruptError as e:
             log.warning("not using %s: %s", key, e)
             return None, f"bake {key[:19]} refused ({e}); booted instead"
