@@ -1,7 +1,17 @@
 #!/usr/bin/env python3
-"""Benchmark: create-from-snapshot (restore) to agent-ready and to the first exec, with host memory per VM.
+"""Benchmark: create-from-bake through smold, and create-from-snapshot of the bare VMM, to agent-ready and to
+the first exec, with host memory per VM.
 
-Usage: .venv/bin/python bench/create.py [--snapshot DIR] [--runs N] [--no-exec] [--concurrent] [--json]
+Usage: .venv/bin/python bench/create.py [--runs N] [--no-exec] [--concurrent] [--json]        (through smold)
+       .venv/bin/python bench/create.py --vmm [--snapshot DIR] [--runs N] [--no-exec] [--concurrent] [--json]
+
+Default (through the daemon): start ``python -m smold.daemon`` (real VMM launcher) on a temp socket and state
+dir, BakeImage a Smolfile (default image, cpus 1, 512 MiB; its cold boot + snapshot is the peer), then N times
+CreateMachine from the same Smolfile (restored from the bake: new hostname, machine-id, entropy, clock set)
+and record: CreateMachine's round trip (the machine is RUNNING: agent answered), the first Exec of ``true``
+(to its exit event), create to exec done, and the VMM process's host memory.
+
+With --vmm, the VMM alone:
 
 Without --snapshot it first bakes one: boots the default guest (--cpus 1, 512 MiB) with
 ``--snapshot-on-ready``; that cold boot to agent-ready is the peer the restores are compared with
@@ -35,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from smold.agent import connect_vsock_uds  # noqa: E402
+from smold.api.v1 import smol_pb2 as pb  # noqa: E402
+from smold.api.v1 import smol_pb2_grpc as pb_grpc  # noqa: E402
 from smold.images.artifacts import default_artifacts  # noqa: E402
 from smold.kvm import is_pvm  # noqa: E402
 
@@ -129,8 +141,104 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
+BENCH_SMOLFILE = """
+image = "default"
+cpus = 1
+memory = "512M"
+[timeouts]
+boot = 900
+"""
+
+
+def via_daemon(args: argparse.Namespace) -> int:
+    import grpc
+
+    work = Path(tempfile.mkdtemp(prefix="smol-bench-", dir="/tmp"))
+    sock, log = work / "smold.sock", work / "smold.log"
+    default_artifacts(build=True)
+    with open(log, "ab") as f:
+        daemon = subprocess.Popen([sys.executable, "-m", "smold.daemon", "--socket", str(sock), "--state-dir",
+                                   str(work / "state"), "--max-machines", str(max(4, args.runs + 1)),
+                                   "--max-memory", str(512 * max(4, args.runs + 1))],
+                                  stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)
+    result: dict[str, Any] = {"host": host_info(), "mode": "smold CreateMachine from a bake", "runs": []}
+    try:
+        deadline = time.monotonic() + 120
+        while not sock.exists():
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"smold did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.1)
+        with grpc.insecure_channel(f"unix:{sock}") as channel:
+            stub = pb_grpc.SmolStub(channel)
+            spec = pb.Smolfile(toml=pb.SmolfileToml(text=BENCH_SMOLFILE))
+            t0 = time.monotonic()
+            bake = stub.BakeImage(pb.BakeImageRequest(smolfile=spec), timeout=args.boot_timeout + 300).bake
+            result["bake"] = {"total_s": time.monotonic() - t0, "bake_seconds": bake.bake_seconds,
+                              "disk_mib": bake.size_bytes / (1 << 20), "key": bake.key}
+            live: list[str] = []
+            for _ in range(args.runs):
+                t1 = time.monotonic()
+                m = stub.CreateMachine(pb.CreateMachineRequest(smolfile=spec), timeout=600).machine
+                t_ready = time.monotonic()
+                if m.restored_from != f"bake:{bake.key}":
+                    raise RuntimeError(f"machine {m.id} was not restored from the bake: {m.restored_from!r}")
+                rec: dict[str, Any] = {"create_s": t_ready - t1}
+                if not args.no_exec:
+                    code = None
+                    for msg in stub.Exec(pb.ExecRequest(machine_id=m.id, argv=["true"], timeout_seconds=600),
+                                         timeout=900):
+                        if msg.WhichOneof("event") == "exit":
+                            code = msg.exit.exit_code
+                    if code != 0:
+                        raise RuntimeError(f"exec in {m.id} exited {code}")
+                    rec["first_exec_s"] = time.monotonic() - t_ready
+                    rec["create_to_exec_done_s"] = time.monotonic() - t1
+                rec["memory_mib"] = memory_of(m.vmm_pid)
+                result["runs"].append(rec)
+                if args.concurrent:
+                    live.append(m.id)
+                    rec["all_vms_rss_mib"] = round(sum(memory_of(stub.GetMachine(pb.GetMachineRequest(
+                        machine_id=i)).machine.vmm_pid)["VmRSS"] for i in live), 1)
+                else:
+                    stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id), timeout=300)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(300)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+    runs = result["runs"]
+    med = {k: statistics.median(r[k] for r in runs) for k in ("create_s", "first_exec_s", "create_to_exec_done_s")
+           if k in runs[0]}
+    med["rss_mib"] = statistics.median(r["memory_mib"]["VmRSS"] for r in runs)
+    med["pss_mib"] = statistics.median(r["memory_mib"]["Pss"] for r in runs)
+    med["anon_mib"] = statistics.median(r["memory_mib"]["RssAnon"] for r in runs)
+    result["median"] = med
+    result["ratio_bake_over_create"] = round(result["bake"]["total_s"] / med["create_s"], 1)
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+        return 0
+    print(result["host"])
+    b = result["bake"]
+    print(f"peer: BakeImage (cold boot to agent-ready + snapshot with memory digest) {b['total_s']:.1f} s; "
+          f"bake on disk {b['disk_mib']:.0f} MiB")
+    for i, r in enumerate(runs):
+        m = r["memory_mib"]
+        ex = (f", first exec {r['first_exec_s']:.2f} s, create to exec done {r['create_to_exec_done_s']:.2f} s"
+              if "first_exec_s" in r else "")
+        print(f"run {i}: CreateMachine from bake {r['create_s']:.3f} s{ex}; VMM RSS {m['VmRSS']:.0f} MiB "
+              f"(anon {m['RssAnon']:.0f}, file {m['RssFile']:.0f}, PSS {m['Pss']:.0f})"
+              + (f"; all VMs {r['all_vms_rss_mib']} MiB" if "all_vms_rss_mib" in r else ""))
+    print("median: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()))
+    print(f"bake / create from bake: {result['ratio_bake_over_create']}x")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vmm", action="store_true", help="measure the bare VMM's --restore instead of smold")
     ap.add_argument("--snapshot", type=Path, help="restore this snapshot (default: bake one first)")
     ap.add_argument("--keep", type=Path, metavar="DIR", help="bake into DIR and keep it (for bench/fork.py)")
     ap.add_argument("--runs", type=int, default=3)
@@ -139,6 +247,10 @@ def main() -> int:
     ap.add_argument("--boot-timeout", type=float, default=900)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if not args.vmm:
+        if args.snapshot is not None or args.keep is not None:
+            ap.error("--snapshot and --keep go with --vmm")
+        return via_daemon(args)
 
     work = Path(tempfile.mkdtemp(prefix="smol-bench-"))
     procs: list[subprocess.Popen[bytes]] = []

@@ -49,6 +49,36 @@ def machines_table(machines: list[pb.Machine]) -> str:
     return "\n".join(lines)
 
 
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.0f}M"
+
+
+def bakes_table(bakes: list[pb.Bake]) -> str:
+    rows: list[tuple[str, ...]] = [("KEY", "IMAGE", "CPUS", "MEMORY", "DISK", "BAKED IN", "AGE", "MACHINES")]
+    now = time.time()
+    for b in bakes:
+        age = _age(max(0.0, now - b.created_at.ToSeconds())) if b.HasField("created_at") else "-"
+        rows.append((b.key.removeprefix("sha256:")[:12], b.image or "-", str(b.cpus), f"{b.memory_mib}M",
+                     _mib(b.size_bytes), f"{b.bake_seconds:.0f}s", age, str(len(b.machine_ids))))
+    lines = _table(rows)
+    lines += [f"{b.key.removeprefix('sha256:')[:12]}: refused: {b.error}" for b in bakes if b.error]
+    return "\n".join(lines)
+
+
+def checkpoints_table(checkpoints: list[pb.Checkpoint]) -> str:
+    rows: list[tuple[str, ...]] = [("NAME", "FROM", "DISK", "AGE", "MACHINES")]
+    now = time.time()
+    for c in checkpoints:
+        age = _age(max(0.0, now - c.created_at.ToSeconds())) if c.HasField("created_at") else "-"
+        rows.append((c.name, c.machine_id or "-", _mib(c.size_bytes), age, str(len(c.machine_ids))))
+    return "\n".join(_table(rows))
+
+
 def _indent_tail(text: str, prefix: str, lines: int = 20) -> list[str]:
     tail = text.rstrip("\n").splitlines()[-lines:]
     return [f"{prefix}| {line}" for line in tail]

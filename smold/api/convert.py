@@ -29,7 +29,7 @@ from smold.smolfile import (
 from smold.smolfile.errors import KeyPath
 from smold.verifier import CheckResult, Evidence, VerifyResult
 
-from .machine import CheckpointInfo, MachineInfo, MachineState, RunResult, StepResult
+from .machine import BakeInfo, CheckpointInfo, MachineInfo, MachineState, RunResult, StepResult
 from .v1 import smol_pb2 as pb
 
 INLINE_SPEC = "<inline spec>"
@@ -78,6 +78,7 @@ def machine_to_proto(m: MachineInfo) -> pb.Machine:
         failure_reason=m.failure_reason,
         console_tail=m.console_tail,
         vmm_pid=m.vmm_pid,
+        restored_from=m.restored_from,
     )
     msg.created_at.FromDatetime(m.created_at)
     return msg
@@ -86,7 +87,8 @@ def machine_to_proto(m: MachineInfo) -> pb.Machine:
 def checkpoint_to_proto(c: CheckpointInfo) -> pb.Checkpoint:
     if c.created_at.tzinfo is None:
         raise ConversionError("created_at must be timezone-aware")
-    msg = pb.Checkpoint(name=c.name, path=c.path, size_bytes=c.size_bytes, machine_id=c.machine_id)
+    msg = pb.Checkpoint(name=c.name, path=c.path, size_bytes=c.size_bytes, machine_id=c.machine_id,
+                        machine_ids=list(c.machine_ids))
     msg.created_at.FromDatetime(c.created_at)
     return msg
 
@@ -95,7 +97,27 @@ def checkpoint_from_proto(msg: pb.Checkpoint) -> CheckpointInfo:
     if not msg.HasField("created_at"):
         raise ConversionError("checkpoint has no created_at")
     return CheckpointInfo(name=msg.name, path=msg.path, size_bytes=msg.size_bytes,
-                          created_at=msg.created_at.ToDatetime(tzinfo=UTC), machine_id=msg.machine_id)
+                          created_at=msg.created_at.ToDatetime(tzinfo=UTC), machine_id=msg.machine_id,
+                          machine_ids=tuple(msg.machine_ids))
+
+
+def bake_to_proto(b: BakeInfo) -> pb.Bake:
+    if b.created_at.tzinfo is None:
+        raise ConversionError("created_at must be timezone-aware")
+    msg = pb.Bake(key=b.key, path=b.path, image=b.image, image_digest=b.image_digest, cpus=b.cpus,
+                  memory_mib=b.memory_mib, size_bytes=b.size_bytes, bake_seconds=b.bake_seconds,
+                  smolfile_digest=b.smolfile_digest, error=b.error, machine_ids=list(b.machine_ids))
+    msg.created_at.FromDatetime(b.created_at)
+    return msg
+
+
+def bake_from_proto(msg: pb.Bake) -> BakeInfo:
+    if not msg.HasField("created_at"):
+        raise ConversionError("bake has no created_at")
+    return BakeInfo(key=msg.key, path=msg.path, image=msg.image, image_digest=msg.image_digest, cpus=msg.cpus,
+                    memory_mib=msg.memory_mib, size_bytes=msg.size_bytes,
+                    created_at=msg.created_at.ToDatetime(tzinfo=UTC), bake_seconds=msg.bake_seconds,
+                    smolfile_digest=msg.smolfile_digest, error=msg.error, machine_ids=tuple(msg.machine_ids))
 
 
 def machine_from_proto(msg: pb.Machine) -> MachineInfo:
@@ -114,6 +136,7 @@ def machine_from_proto(msg: pb.Machine) -> MachineInfo:
         failure_reason=msg.failure_reason,
         console_tail=msg.console_tail,
         vmm_pid=msg.vmm_pid,
+        restored_from=msg.restored_from,
     )
 
 

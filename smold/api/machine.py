@@ -36,6 +36,7 @@ class MachineInfo:
     failure_reason: str = ""
     console_tail: str = ""
     vmm_pid: int = 0  # the VMM process on the host; 0 when it is gone
+    restored_from: str = ""  # "" (booted), "bake:sha256:<hex>", "checkpoint:<name>" or "fork:<parent id>"
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,25 @@ class CheckpointInfo:
     size_bytes: int
     created_at: datetime  # timezone-aware (UTC)
     machine_id: str = ""
+    machine_ids: tuple[str, ...] = ()  # machines in the daemon's table restored from it
+
+
+@dataclass(frozen=True)
+class BakeInfo:
+    """A pre-baked image in the daemon's bake store (proto: smol.v1.Bake)."""
+
+    key: str
+    path: str
+    image: str
+    image_digest: str
+    cpus: int
+    memory_mib: int
+    size_bytes: int
+    created_at: datetime  # timezone-aware (UTC)
+    bake_seconds: float = 0.0
+    smolfile_digest: str = ""
+    error: str = ""  # set when the bake failed its checks
+    machine_ids: tuple[str, ...] = ()  # machines in the daemon's table restored from it
 
 
 @dataclass(frozen=True)

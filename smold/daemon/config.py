@@ -63,6 +63,11 @@ class DaemonConfig:
         return self.state_dir / "checkpoints"
 
     @property
+    def bakes_dir(self) -> Path:
+        """Pre-baked images (BakeImage; CreateMachine restores a matching one): ``<key hex>/``."""
+        return self.state_dir / "bakes"
+
+    @property
     def forks_dir(self) -> Path:
         """Private fork bases, each removed when the last machine restored from it is destroyed."""
         return self.state_dir / "forks"

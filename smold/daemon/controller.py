@@ -9,6 +9,11 @@ Snapshots (docs/daemon.md, "Checkpoints and fork"): Snapshot asks a running mach
 to write a named checkpoint into ``STATE_DIR/checkpoints/<name>/``; CreateMachine can restore one instead of
 booting. Fork writes a private base into ``STATE_DIR/forks/`` and restores N machines from it; the base is
 removed when the last machine restored from it is destroyed.
+
+Pre-baked images (docs/daemon.md, "Pre-baked images"): BakeImage creates a machine as CreateMachine would
+(boot, mounts, setup), snapshots it into ``STATE_DIR/bakes/<key>/`` (smold/daemon/bakes.py) and destroys it;
+CreateMachine and Run restore the bake whose key matches the Smolfile and image instead of booting. A bake
+that fails its checks is not used: the machine boots as if there were none, and the boot step says why.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import secrets
 import shutil
 import signal
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -31,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from smold.agent import AgentClient, AgentError, ExecEvent
-from smold.api.machine import CheckpointInfo, MachineInfo, MachineState, RunResult, StepResult
+from smold.api.machine import BakeInfo, CheckpointInfo, MachineInfo, MachineState, RunResult, StepResult
 from smold.smolfile import (
     Check,
     Smolfile,
@@ -44,6 +49,17 @@ from smold.smolfile import (
 from smold.verifier import Evidence, VerifyResult, tail_text, verify
 
 from . import guestops
+from .bakes import (
+    BAKE_META,
+    BakeBusyError,
+    BakeCorruptError,
+    BakeExistsError,
+    BakeMeta,
+    BakeNotFoundError,
+    BakeStore,
+    bake_key,
+    mounts_digest,
+)
 from .config import DEFAULT_CONSOLE_TAIL, MAX_CONSOLE_TAIL, DaemonConfig
 from .errors import (
     CheckpointExistsError,
@@ -115,6 +131,7 @@ class Machine:
     destroy_task: asyncio.Task[None] | None = None
     destroy_requested: bool = False  # a Destroy arrived while creating: the create ends with an error
     checkpoint: Path | None = None   # the snapshot directory it was restored from (None: booted)
+    boot_note: str = ""              # said in the boot step: the bake restored, or why one was refused
     snapshot_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one snapshot of its VM at a time
 
     @property
@@ -162,6 +179,9 @@ class Controller:
         self._closing = False
         self._pinned: set[Path] = set()       # fork bases being written or restored (not yet referenced)
         self._checkpointing: set[str] = set()  # checkpoint names being written
+        self.bakes = BakeStore(config.bakes_dir)
+        self._baking: set[str] = set()        # bake keys being baked
+        self._restoring: Counter[Path] = Counter()  # snapshot directories a create is about to restore
 
     # --- start-up: re-adopt or clean up what an earlier daemon left ---------------------------------------
     async def start(self) -> None:
@@ -178,6 +198,7 @@ class Controller:
         """Remove half-written checkpoints and fork bases no (re-adopted) machine was restored from."""
         self.config.checkpoints_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.config.forks_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.bakes.clean()
         used = {m.checkpoint for m in self._machines.values()}
         for d in self.config.checkpoints_dir.iterdir():
             if d.name.startswith(".tmp-"):
@@ -284,7 +305,23 @@ class Controller:
             created_at=m.created_at, image_digest=m.image_digest, smolfile_digest=m.smolfile_digest,
             failure_reason=m.failure_reason,
             console_tail=self.console_tail(m, console_bytes) if console_bytes else "",
-            vmm_pid=proc.pid if proc is not None and m.exit_status is None else 0)
+            vmm_pid=proc.pid if proc is not None and m.exit_status is None else 0,
+            restored_from=self._restored_from(m.checkpoint))
+
+    def _restored_from(self, directory: Path | None) -> str:
+        if directory is None:
+            return ""
+        if directory.parent == self.config.bakes_dir:
+            return f"bake:sha256:{directory.name}"
+        if directory.parent == self.config.checkpoints_dir:
+            return f"checkpoint:{directory.name}"
+        if directory.parent == self.config.forks_dir:
+            return f"fork:{directory.name.rsplit('-', 1)[0]}"
+        return str(directory)
+
+    def _restored_machines(self, directory: Path) -> tuple[str, ...]:
+        return tuple(m.id for m in sorted(self._machines.values(), key=lambda m: (m.created_at, m.id))
+                     if m.checkpoint == directory)
 
     def get(self, ref: str, console_bytes: int = 0) -> MachineInfo:
         n = DEFAULT_CONSOLE_TAIL if console_bytes <= 0 else min(console_bytes, MAX_CONSOLE_TAIL)
@@ -346,18 +383,23 @@ class Controller:
                 f"{self.config.max_memory_mib} MiB in use")
 
     async def _create(self, smolfile: Smolfile, name: str, filename: str, steps: list[StepResult], *,
-                      restore: Path | None = None, image_digest: str = "") -> Machine:
-        """Boot (or, with ``restore``, restore that snapshot directory: no mounts, no setup) one machine."""
+                      restore: Path | None = None, image_digest: str = "", use_bake: bool = True) -> Machine:
+        """Boot (or, with ``restore``, restore that snapshot directory: no mounts, no setup) one machine.
+        Without ``restore`` a verified bake matching the Smolfile and image is restored if there is one
+        (unless ``use_bake`` is false)."""
         if restore is None:
             await asyncio.to_thread(check_mount_sources, smolfile, filename=filename)
         self._admit(smolfile, name)  # fail fast before resolving the image (which may hash files)
         image = await self.images.resolve(smolfile.image)
+        note = ""
+        if restore is None and use_bake:
+            restore, note = await self._find_bake(smolfile, image)
         self._admit(smolfile, name)  # again: no await between this check and the insert below
         mid = f"m-{secrets.token_hex(6)}"
         m = Machine(
             id=mid, name=name, smolfile=smolfile, image=image.name, image_digest=image_digest or image.digest,
             smolfile_digest=digest(smolfile), state_dir=self.config.machines_dir / mid,
-            created_at=datetime.now(UTC), launcher=self.launcher.kind, checkpoint=restore)
+            created_at=datetime.now(UTC), launcher=self.launcher.kind, checkpoint=restore, boot_note=note)
         self._machines[mid] = m
         m.create_task = asyncio.current_task()
         try:
@@ -417,8 +459,9 @@ class Controller:
         seconds = time.monotonic() - start
         if ready_task in done and not ready_task.cancelled() and ready_task.exception() is None:
             m.ready = ready_task.result()
+            note = f"{m.boot_note}; " if m.boot_note else ""
             steps.append(StepResult("boot", True, Evidence(
-                duration_ms=round(seconds * 1000), detail=f"guest agent ready after {seconds:.1f}s")))
+                duration_ms=round(seconds * 1000), detail=f"{note}guest agent ready after {seconds:.1f}s")))
             return
         if ready_task in done and ready_task.exception() is not None:
             exc = ready_task.exception()
@@ -764,17 +807,19 @@ class Controller:
         finally:
             self._checkpointing.discard(name)
         log.info("machine %s: checkpoint %s written", m.id, name)
-        return await asyncio.to_thread(self._checkpoint_info, final)
+        return self._checkpoint_info(final)  # small files; reads the machine table
 
-    async def _write_checkpoint(self, m: Machine, directory: Path, name: str) -> None:
-        """Have the machine's VMM snapshot itself into ``directory``, then describe it in checkpoint.json."""
+    async def _write_checkpoint(self, m: Machine, directory: Path, name: str, *, memory_digest: bool = False) -> None:
+        """Have the machine's VMM snapshot itself into ``directory`` (``memory_digest``: with the memory file's
+        sha256 in the state), then describe it in checkpoint.json."""
         await asyncio.to_thread(directory.parent.mkdir, 0o700, True, True)
         meta = {"name": name, "machine_id": m.id, "created_at": datetime.now(UTC).isoformat(), "image": m.image,
                 "image_digest": m.image_digest, "smolfile": to_mapping(m.smolfile),
                 "smolfile_digest": m.smolfile_digest, "base_dir": m.smolfile.base_dir}
         try:
             async with m.snapshot_lock:
-                await self.launcher.snapshot(m.state_dir, directory.absolute(), SNAPSHOT_TIMEOUT_S)
+                await self.launcher.snapshot(m.state_dir, directory.absolute(), SNAPSHOT_TIMEOUT_S,
+                                           digest=memory_digest)
             await asyncio.to_thread((directory / CHECKPOINT_META).write_text, json.dumps(meta, indent=1) + "\n")
         except (LaunchError, OSError) as e:
             await asyncio.to_thread(shutil.rmtree, directory, True)
@@ -789,8 +834,11 @@ class Controller:
             created = datetime.fromisoformat(str(meta.get("created_at")))
         except ValueError:
             created = datetime.fromtimestamp(directory.stat().st_mtime, UTC)
+        if created.tzinfo is None:
+            created = created.replace(tzinfo=UTC)
         return CheckpointInfo(name=directory.name, path=str(directory), size_bytes=size, created_at=created,
-                              machine_id=str(meta.get("machine_id", "")))
+                              machine_id=str(meta.get("machine_id", "")),
+                              machine_ids=self._restored_machines(directory))
 
     def _load_checkpoint(self, name: str) -> tuple[Path, Smolfile, str]:
         """The checkpoint's directory, the Smolfile and image digest of the machine it was taken of."""
@@ -809,9 +857,163 @@ class Controller:
     async def create_from_checkpoint(self, checkpoint: str, name: str = "") -> MachineInfo:
         """Start a machine by restoring a named checkpoint (new hostname and identity) instead of booting."""
         directory, smolfile, image_digest = await asyncio.to_thread(self._load_checkpoint, checkpoint)
-        m = await self._create(smolfile, name, f"checkpoint {checkpoint}", [], restore=directory,
-                               image_digest=image_digest)
+        self._restoring[directory] += 1   # DeleteCheckpoint waits until the VMM has it mapped
+        try:
+            m = await self._create(smolfile, name, f"checkpoint {checkpoint}", [], restore=directory,
+                                   image_digest=image_digest)
+        finally:
+            self._unpin(directory)
         return self.info(m)
+
+    def _unpin(self, directory: Path) -> None:
+        self._restoring[directory] -= 1
+        if self._restoring[directory] <= 0:
+            del self._restoring[directory]
+
+    def _restore_busy(self, directory: Path) -> str:
+        """Why ``directory`` cannot be deleted now ("" if it can): a create is restoring from it."""
+        if self._restoring.get(directory):
+            return "a machine is being created from it"
+        creating = [m.id for m in self._machines.values()
+                    if m.checkpoint == directory and m.phase is MachineState.CREATING]
+        return f"machine {creating[0]} is being restored from it" if creating else ""
+
+    def list_checkpoints(self) -> list[CheckpointInfo]:
+        """Every complete named checkpoint, sorted by name."""
+        out = []
+        d = self.config.checkpoints_dir
+        for c in sorted(d.iterdir()) if d.is_dir() else []:
+            if c.name.startswith(".") or not c.is_dir() or c.is_symlink():
+                continue
+            try:
+                out.append(self._checkpoint_info(c))
+            except (CheckpointNotFoundError, OSError) as e:  # unreadable meta: listed so it can be removed
+                log.warning("checkpoint %s: %s", c.name, e)
+                out.append(CheckpointInfo(name=c.name, path=str(c), size_bytes=0,
+                                          created_at=datetime.fromtimestamp(0, UTC),
+                                          machine_ids=self._restored_machines(c)))
+        return out
+
+    async def delete_checkpoint(self, name: str) -> None:
+        """Remove a named checkpoint. Machines restored from it keep running (they map its memory file,
+        whose inode outlives the directory); refused while a machine is being restored from it."""
+        if not CHECKPOINT_NAME_RE.fullmatch(name):
+            raise InvalidRequestError(f"name: {name!r} is not a valid checkpoint name")
+        directory = self.config.checkpoints_dir / name
+        if not directory.is_dir():
+            raise CheckpointNotFoundError(f"no checkpoint {name!r}")
+        busy = self._restore_busy(directory)
+        if busy:
+            raise WrongPhaseError(f"checkpoint {name!r} is in use: {busy}; try again once it is running")
+        aside = self.config.checkpoints_dir / f".tmp-del-{secrets.token_hex(6)}"
+        try:
+            await asyncio.to_thread(os.rename, directory, aside)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint {name!r}") from None
+        await asyncio.to_thread(shutil.rmtree, aside, True)
+        log.info("checkpoint %s deleted", name)
+
+    # --- pre-baked images -------------------------------------------------------------------------------------
+    async def _bake_key(self, smolfile: Smolfile, image: Any) -> tuple[str, str]:
+        mounts = await asyncio.to_thread(mounts_digest, smolfile)
+        return bake_key(smolfile, image.digest, mounts), mounts
+
+    async def _find_bake(self, smolfile: Smolfile, image: Any) -> tuple[Path | None, str]:
+        """The bake to restore for this Smolfile and image, if one exists and passes its checks; and what
+        to say in the boot step about it."""
+        key, _ = await self._bake_key(smolfile, image)
+        directory = self.bakes.path(key)
+        if key in self._baking or not await asyncio.to_thread(directory.is_dir):
+            return None, ""
+        try:
+            await asyncio.to_thread(self.bakes.verify, key, smolfile=smolfile, image=image)
+        except BakeNotFoundError:  # deleted meanwhile
+            return None, ""
+        except BakeCorruptError as e:
+            log.warning("not using %s: %s", key, e)
+            return None, f"bake {key[:19]} refused ({e}); booted instead"
+        return directory, f"restored bake {key[:19]}"
+
+    async def bake(self, smolfile: Smolfile, filename: str = "Smolfile.toml", *, replace: bool = False) -> BakeInfo:
+        """Create a machine from the Smolfile (boot, mounts, setup; never from a bake), snapshot it into the
+        bake store under its key, destroy it. ALREADY_EXISTS when that key is baked (unless ``replace``)."""
+        start = time.monotonic()
+        await asyncio.to_thread(check_mount_sources, smolfile, filename=filename)
+        self._admit(smolfile, "")
+        image = await self.images.resolve(smolfile.image)
+        key, mounts = await self._bake_key(smolfile, image)
+        final = self.bakes.path(key)
+        if key in self._baking:
+            raise BakeExistsError(f"bake {key} is being baked")
+        if not replace and await asyncio.to_thread(final.is_dir):
+            raise BakeExistsError(f"bake {key} already exists (replace it, or delete it first)")
+        self._baking.add(key)
+        try:
+            try:
+                m = await self._create(smolfile, "", filename, [], use_bake=False)
+            except StepFailedError as e:
+                if e.machine is not None:
+                    await self._destroy_quietly(e.machine)
+                raise CreateFailedError(f"baking {key}: {e}", Status.ABORTED) from None
+            except CreateFailedError as e:
+                gone = self._machines.get(e.machine_id)
+                if gone is not None:
+                    await self._destroy_quietly(gone)
+                raise
+            try:
+                tmp = self.config.bakes_dir / f".tmp-{secrets.token_hex(6)}"
+                await self._write_checkpoint(m, tmp, "", memory_digest=True)
+                meta = BakeMeta.for_smolfile(key, smolfile, image, mounts, time.monotonic() - start)
+                try:
+                    await asyncio.to_thread(_finish_bake, tmp, final, meta.to_json())
+                except OSError as e:
+                    await asyncio.to_thread(shutil.rmtree, tmp, True)
+                    raise CheckpointFailedError(f"bake {key}: cannot move it into place: {e}") from None
+            finally:
+                await self._destroy_quietly(m)
+        finally:
+            self._baking.discard(key)
+        self.bakes.forget(key)
+        log.info("baked %s in %.1fs (%s, %d MiB)", key, time.monotonic() - start, image.name, smolfile.memory_mib)
+        return self._bake_info(key)
+
+    def _bake_info(self, key: str) -> BakeInfo:
+        directory = self.bakes.path(key)
+        machines = self._restored_machines(directory)
+        try:
+            meta = BakeMeta.load(directory)
+        except BakeCorruptError as e:
+            return BakeInfo(key=key, path=str(directory), image="", image_digest="", cpus=0, memory_mib=0,
+                            size_bytes=self.bakes.size_bytes(key), created_at=datetime.fromtimestamp(0, UTC),
+                            error=str(e), machine_ids=machines)
+        error = ""
+        try:  # the cheap checks; the memory file's hash is only reported once a create computed it
+            self.bakes.verify(key, hash_memory=False)
+        except BakeCorruptError as e:
+            error = str(e)
+        except OSError as e:
+            error = f"bake {key_short(key)}: {e}"
+        return BakeInfo(key=key, path=str(directory), image=meta.image, image_digest=meta.image_digest,
+                        cpus=meta.cpus, memory_mib=meta.memory_mib, size_bytes=self.bakes.size_bytes(key),
+                        created_at=meta.created, bake_seconds=float(meta.bake_seconds),
+                        smolfile_digest=str(meta.smolfile_digest), error=error, machine_ids=machines)
+
+    async def list_bakes(self) -> list[BakeInfo]:
+        """Every bake in the store, sorted by key; ``error`` set for one that fails its checks."""
+        keys = await asyncio.to_thread(self.bakes.keys)
+        return [self._bake_info(k) for k in keys]  # a state file read each: milliseconds
+
+    async def delete_bake(self, ref: str) -> str:
+        """Remove a bake (by key or unique prefix); machines restored from it keep running. Returns its key."""
+        key = await asyncio.to_thread(self.bakes.resolve, ref)
+        if key in self._baking:
+            raise BakeBusyError(f"bake {key} is being baked")
+        busy = self._restore_busy(self.bakes.path(key))
+        if busy:
+            raise BakeBusyError(f"bake {key} is in use: {busy}; try again once it is running")
+        await asyncio.to_thread(self.bakes.remove, key)
+        log.info("bake %s deleted", key)
+        return key
 
     async def fork(self, ref: str, count: int) -> list[MachineInfo]:
         """``count`` copy-on-write children of a running machine, each restored from one private snapshot of
@@ -933,6 +1135,33 @@ class Controller:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def key_short(key: str) -> str:
+    return key.removeprefix("sha256:")[:12]
+
+
+def _finish_bake(tmp: Path, final: Path, meta_json: str) -> None:
+    """Make a written bake durable and move it into place (replacing an older one of the same key)."""
+    (tmp / BAKE_META).write_text(meta_json)
+    for p in tmp.iterdir():
+        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    old = None
+    if final.exists():
+        old = final.with_name(f".tmp-old-{secrets.token_hex(6)}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _hostname(m: Machine) -> str:

@@ -86,16 +86,19 @@ class Launcher(abc.ABC):
                 return info
             await asyncio.sleep(READY_POLL_S)
 
-    async def snapshot(self, state_dir: Path, directory: Path, timeout: float = 300.0) -> dict[str, Any]:
+    async def snapshot(self, state_dir: Path, directory: Path, timeout: float = 300.0, *,
+                       digest: bool = False) -> dict[str, Any]:
         """Have the VM process write a snapshot of its running VM into ``directory`` (absolute) and resume;
-        returns the control socket's ``snapshot`` reply. LaunchError when it cannot."""
+        ``digest``: record the memory file's sha256 in the state. Returns the control socket's ``snapshot``
+        reply. LaunchError when it cannot."""
         from smold.vmm.control import ControlError, control_request  # the VMM package only when needed
 
         sock = state_dir / CONTROL_FILE
         if not sock.exists():
             raise LaunchError(f"the VM process has no control socket ({sock})")
         try:
-            reply = await control_request(sock, {"op": "snapshot", "dir": str(directory), "resume": True},
+            reply = await control_request(sock, {"op": "snapshot", "dir": str(directory), "resume": True,
+                                                 "digest": digest},
                                           timeout=timeout)
         except (ControlError, OSError, ValueError, TimeoutError) as e:
             raise LaunchError(f"control socket {sock}: {e or type(e).__name__}") from None

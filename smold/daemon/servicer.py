@@ -144,3 +144,36 @@ class SmolServicer(pb_grpc.SmolServicer):
             info = await self.controller.snapshot(request.machine_id, request.name)
             return pb.SnapshotResponse(checkpoint=convert.checkpoint_to_proto(info))
         return await self._call(context, go)
+
+    async def ListCheckpoints(self, request: pb.ListCheckpointsRequest, context: Any) -> pb.ListCheckpointsResponse:
+        async def go() -> pb.ListCheckpointsResponse:
+            infos = self.controller.list_checkpoints()  # small files; reads the machine table
+            return pb.ListCheckpointsResponse(checkpoints=[convert.checkpoint_to_proto(c) for c in infos])
+        return await self._call(context, go)
+
+    async def DeleteCheckpoint(self, request: pb.DeleteCheckpointRequest,
+                               context: Any) -> pb.DeleteCheckpointResponse:
+        async def go() -> pb.DeleteCheckpointResponse:
+            await self.controller.delete_checkpoint(request.name)
+            return pb.DeleteCheckpointResponse()
+        return await self._call(context, go)
+
+    async def BakeImage(self, request: pb.BakeImageRequest, context: Any) -> pb.BakeImageResponse:
+        async def go() -> pb.BakeImageResponse:
+            if not request.HasField("smolfile"):
+                raise InvalidRequestError("smolfile: required")
+            sf, filename = self._smolfile(request.smolfile)
+            info = await self.controller.bake(sf, filename, replace=request.replace)
+            return pb.BakeImageResponse(bake=convert.bake_to_proto(info))
+        return await self._call(context, go)
+
+    async def ListBakes(self, request: pb.ListBakesRequest, context: Any) -> pb.ListBakesResponse:
+        async def go() -> pb.ListBakesResponse:
+            return pb.ListBakesResponse(bakes=[convert.bake_to_proto(b) for b in await self.controller.list_bakes()])
+        return await self._call(context, go)
+
+    async def DeleteBake(self, request: pb.DeleteBakeRequest, context: Any) -> pb.DeleteBakeResponse:
+        async def go() -> pb.DeleteBakeResponse:
+            await self.controller.delete_bake(request.key)
+            return pb.DeleteBakeResponse()
+        return await self._call(context, go)

@@ -1,6 +1,13 @@
 """Smolfile: the TOML declaration of a task's machine and verifier, parsed into frozen dataclasses."""
 
-from .digest import canonical_bytes, digest, to_mapping
+from .digest import (
+    BOOT_STATE_KEYS,
+    boot_state_digest,
+    boot_state_mapping,
+    canonical_bytes,
+    digest,
+    to_mapping,
+)
 from .errors import SmolfileError, render_key
 from .model import (
     CHECK_TYPES,
@@ -30,6 +37,7 @@ from .parse import (
 )
 
 __all__ = [
+    "BOOT_STATE_KEYS",
     "CHECK_TYPES",
     "DEFAULT_FILENAME",
     "DEFAULT_REWARD_PATHS",
@@ -48,6 +56,8 @@ __all__ = [
     "Smolfile",
     "SmolfileError",
     "Timeouts",
+    "boot_state_digest",
+    "boot_state_mapping",
     "canonical_bytes",
     "check_mount_sources",
     "default_check_name",

@@ -89,6 +89,27 @@ def canonical_bytes(smolfile: Smolfile) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
+# The parts of a Smolfile that shape a machine's state once it is created (booted, mounts copied, setup run):
+# what a pre-baked snapshot must agree on (smold/daemon/bakes.py). Timeouts, task and verifier do not.
+BOOT_STATE_KEYS = ("image", "cpus", "memory", "network", "mounts", "env", "setup")
+
+
+def boot_state_mapping(smolfile: Smolfile) -> dict[str, Any]:
+    """The canonical mapping restricted to BOOT_STATE_KEYS."""
+    full = to_mapping(smolfile)
+    return {k: full[k] for k in BOOT_STATE_KEYS}
+
+
+def boot_state_digest(smolfile: Smolfile, *extra: str) -> str:
+    """"sha256:<hex>" of the boot-state part of the canonical form plus ``extra`` strings (the image's
+    digest, the mounts' content digest): equal Smolfiles that differ only in timeouts, task or verifier
+    share it. Mount contents are not read here; callers pass a digest of them in ``extra``."""
+    doc = {"smolfile_canonical_version": CANONICAL_VERSION, "boot_state": boot_state_mapping(smolfile),
+           "extra": list(extra)}
+    data = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
 def digest(smolfile: Smolfile) -> str:
     """"sha256:<hex>" of the canonical form: equal for Smolfiles that mean the same (comments, key order,
     defaults written out or not, "2G" vs 2048), different for any change in meaning. Mount *contents*

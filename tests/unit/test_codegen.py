@@ -70,7 +70,8 @@ def test_service_shape():
     methods = {m.name: m for m in service.methods}
     assert set(methods) == {
         "CreateMachine", "GetMachine", "ListMachines", "Exec", "CopyIn", "CopyOut",
-        "Verify", "DestroyMachine", "Run", "Fork", "Snapshot",
+        "Verify", "DestroyMachine", "Run", "Fork", "Snapshot", "ListCheckpoints", "DeleteCheckpoint",
+        "BakeImage", "ListBakes", "DeleteBake",
     }  # fmt: skip
     for name, method in methods.items():
         assert method.input_type.name == f"{name}Request"

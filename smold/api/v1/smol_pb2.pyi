@@ -37,7 +37,7 @@ COPY_FORMAT_FILE: CopyFormat
 COPY_FORMAT_TAR: CopyFormat
 
 class Machine(_message.Message):
-    __slots__ = ("id", "name", "state", "cpus", "memory_mib", "image", "image_digest", "smolfile_digest", "created_at", "failure_reason", "console_tail", "vmm_pid")
+    __slots__ = ("id", "name", "state", "cpus", "memory_mib", "image", "image_digest", "smolfile_digest", "created_at", "failure_reason", "console_tail", "vmm_pid", "restored_from")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class Machine(_message.Message):
     FAILURE_REASON_FIELD_NUMBER: _ClassVar[int]
     CONSOLE_TAIL_FIELD_NUMBER: _ClassVar[int]
     VMM_PID_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: MachineState
@@ -62,7 +63,8 @@ class Machine(_message.Message):
     failure_reason: str
     console_tail: str
     vmm_pid: int
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[MachineState, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., image: _Optional[str] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., console_tail: _Optional[str] = ..., vmm_pid: _Optional[int] = ...) -> None: ...
+    restored_from: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[MachineState, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., image: _Optional[str] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., console_tail: _Optional[str] = ..., vmm_pid: _Optional[int] = ..., restored_from: _Optional[str] = ...) -> None: ...
 
 class Smolfile(_message.Message):
     __slots__ = ("toml", "spec")
@@ -463,18 +465,20 @@ class ForkResponse(_message.Message):
     def __init__(self, machines: _Optional[_Iterable[_Union[Machine, _Mapping]]] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("name", "path", "size_bytes", "created_at", "machine_id")
+    __slots__ = ("name", "path", "size_bytes", "created_at", "machine_id", "machine_ids")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_IDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     size_bytes: int
     created_at: _timestamp_pb2.Timestamp
     machine_id: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., machine_id: _Optional[str] = ...) -> None: ...
+    machine_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., machine_id: _Optional[str] = ..., machine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ("machine_id", "name")
@@ -489,3 +493,85 @@ class SnapshotResponse(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     checkpoint: Checkpoint
     def __init__(self, checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ...) -> None: ...
+
+class DeleteCheckpointRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteCheckpointResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Bake(_message.Message):
+    __slots__ = ("key", "path", "image", "image_digest", "cpus", "memory_mib", "size_bytes", "created_at", "bake_seconds", "smolfile_digest", "error", "machine_ids")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    BAKE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SMOLFILE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    path: str
+    image: str
+    image_digest: str
+    cpus: int
+    memory_mib: int
+    size_bytes: int
+    created_at: _timestamp_pb2.Timestamp
+    bake_seconds: float
+    smolfile_digest: str
+    error: str
+    machine_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, key: _Optional[str] = ..., path: _Optional[str] = ..., image: _Optional[str] = ..., image_digest: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., size_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., bake_seconds: _Optional[float] = ..., smolfile_digest: _Optional[str] = ..., error: _Optional[str] = ..., machine_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BakeImageRequest(_message.Message):
+    __slots__ = ("smolfile", "replace")
+    SMOLFILE_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    smolfile: Smolfile
+    replace: bool
+    def __init__(self, smolfile: _Optional[_Union[Smolfile, _Mapping]] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class BakeImageResponse(_message.Message):
+    __slots__ = ("bake",)
+    BAKE_FIELD_NUMBER: _ClassVar[int]
+    bake: Bake
+    def __init__(self, bake: _Optional[_Union[Bake, _Mapping]] = ...) -> None: ...
+
+class ListBakesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListBakesResponse(_message.Message):
+    __slots__ = ("bakes",)
+    BAKES_FIELD_NUMBER: _ClassVar[int]
+    bakes: _containers.RepeatedCompositeFieldContainer[Bake]
+    def __init__(self, bakes: _Optional[_Iterable[_Union[Bake, _Mapping]]] = ...) -> None: ...
+
+class DeleteBakeRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class DeleteBakeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

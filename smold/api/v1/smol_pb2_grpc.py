@@ -90,6 +90,31 @@ class SmolStub:
                 request_serializer=smol_dot_v1_dot_smol__pb2.SnapshotRequest.SerializeToString,
                 response_deserializer=smol_dot_v1_dot_smol__pb2.SnapshotResponse.FromString,
                 _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/smol.v1.Smol/ListCheckpoints',
+                request_serializer=smol_dot_v1_dot_smol__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.DeleteCheckpoint = channel.unary_unary(
+                '/smol.v1.Smol/DeleteCheckpoint',
+                request_serializer=smol_dot_v1_dot_smol__pb2.DeleteCheckpointRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.DeleteCheckpointResponse.FromString,
+                _registered_method=True)
+        self.BakeImage = channel.unary_unary(
+                '/smol.v1.Smol/BakeImage',
+                request_serializer=smol_dot_v1_dot_smol__pb2.BakeImageRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.BakeImageResponse.FromString,
+                _registered_method=True)
+        self.ListBakes = channel.unary_unary(
+                '/smol.v1.Smol/ListBakes',
+                request_serializer=smol_dot_v1_dot_smol__pb2.ListBakesRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.ListBakesResponse.FromString,
+                _registered_method=True)
+        self.DeleteBake = channel.unary_unary(
+                '/smol.v1.Smol/DeleteBake',
+                request_serializer=smol_dot_v1_dot_smol__pb2.DeleteBakeRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.DeleteBakeResponse.FromString,
+                _registered_method=True)
 
 
 class SmolServicer:
@@ -173,6 +198,39 @@ class SmolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCheckpoints(self, request, context):
+        """The named checkpoints in the daemon's store, and removing one (machines restored from it keep running).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BakeImage(self, request, context):
+        """Pre-baked images: boot a Smolfile's machine once (mounts copied, setup run), snapshot it into the bake
+        store; CreateMachine and Run then restore a bake whose key matches instead of booting.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBakes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteBake(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SmolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -230,6 +288,31 @@ def add_SmolServicer_to_server(servicer, server):
                     servicer.Snapshot,
                     request_deserializer=smol_dot_v1_dot_smol__pb2.SnapshotRequest.FromString,
                     response_serializer=smol_dot_v1_dot_smol__pb2.SnapshotResponse.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'DeleteCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteCheckpoint,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.DeleteCheckpointRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.DeleteCheckpointResponse.SerializeToString,
+            ),
+            'BakeImage': grpc.unary_unary_rpc_method_handler(
+                    servicer.BakeImage,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.BakeImageRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.BakeImageResponse.SerializeToString,
+            ),
+            'ListBakes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBakes,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.ListBakesRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.ListBakesResponse.SerializeToString,
+            ),
+            'DeleteBake': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteBake,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.DeleteBakeRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.DeleteBakeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -530,6 +613,141 @@ class Smol:
             '/smol.v1.Smol/Snapshot',
             smol_dot_v1_dot_smol__pb2.SnapshotRequest.SerializeToString,
             smol_dot_v1_dot_smol__pb2.SnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/ListCheckpoints',
+            smol_dot_v1_dot_smol__pb2.ListCheckpointsRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/DeleteCheckpoint',
+            smol_dot_v1_dot_smol__pb2.DeleteCheckpointRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.DeleteCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BakeImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/BakeImage',
+            smol_dot_v1_dot_smol__pb2.BakeImageRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.BakeImageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBakes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/ListBakes',
+            smol_dot_v1_dot_smol__pb2.ListBakesRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.ListBakesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteBake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/DeleteBake',
+            smol_dot_v1_dot_smol__pb2.DeleteBakeRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.DeleteBakeResponse.FromString,
             options,
             channel_credentials,
             insecure,
