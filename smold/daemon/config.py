@@ -52,6 +52,7 @@ class DaemonConfig:
     tls_cert: Path | None = None  # PEM certificate chain served on tcp
     tls_key: Path | None = None  # its PEM private key
     token_file: Path | None = None  # bearer token every TCP call must carry (mode 0600 or stricter)
+    vmm_seccomp: str = "on"  # each VM process's seccomp filter: on, log or off (smold/jail/seccomp.py)
 
     @property
     def machines_dir(self) -> Path:
@@ -89,6 +90,8 @@ class DaemonConfig:
             raise ValueError("--keep-failed must not be negative")
         if self.on_shutdown not in ("destroy", "leave"):
             raise ValueError("--on-shutdown must be 'destroy' or 'leave'")
+        if self.vmm_seccomp not in ("on", "log", "off"):
+            raise ValueError("--vmm-seccomp must be 'on', 'log' or 'off'")
         if self.socket_mode & ~0o777:
             raise ValueError(f"--socket-mode must be permission bits (got {oct(self.socket_mode)})")
         tls = {"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--token-file": self.token_file}

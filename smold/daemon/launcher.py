@@ -124,8 +124,9 @@ class VmmLauncher(Launcher):
 
     kind = "vmm"
 
-    def __init__(self, python: str = sys.executable) -> None:
+    def __init__(self, python: str = sys.executable, seccomp: str = "on") -> None:
         self.python = python
+        self.seccomp = seccomp   # the VMM's system call filter: on, log or off (smold/jail/seccomp.py)
 
     def command(self, spec: LaunchSpec) -> list[str]:
         d = spec.state_dir
@@ -137,6 +138,7 @@ class VmmLauncher(Launcher):
                 "--console-log", str(d / CONSOLE_FILE),
                 "--boot-timeout", f"{spec.boot_timeout:g}",
                 "--hostname", spec.hostname,
+                "--seccomp", self.seccomp,
                 "--new-identity",
             ]
         return [
@@ -150,6 +152,7 @@ class VmmLauncher(Launcher):
             "--console-log", str(d / CONSOLE_FILE),
             "--boot-timeout", f"{spec.boot_timeout:g}",
             "--hostname", spec.hostname,
+            "--seccomp", self.seccomp,
         ]
 
     async def connect(self, state_dir: Path, ready: dict[str, Any], timeout: float = 10.0) -> AgentClient:
@@ -158,10 +161,10 @@ class VmmLauncher(Launcher):
         return await connect_vsock_uds(path, port, timeout=timeout)
 
 
-def load_launcher(name: str) -> Launcher:
+def load_launcher(name: str, seccomp: str = "on") -> Launcher:
     """``vmm``, or ``module:attribute`` naming a Launcher subclass or a factory returning one (tests)."""
     if name == "vmm":
-        return VmmLauncher()
+        return VmmLauncher(seccomp=seccomp)
     module_name, sep, attr = name.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--launcher must be 'vmm' or 'module:attribute' (got {name!r})")

@@ -69,7 +69,7 @@ class Daemon:
         if images is None:
             images = ImageStore.with_files(dict(config.images))
         self.tcp: TcpListener | None = load_tcp_listener(config)  # refuses bad TLS/token files before anything
-        self.controller = Controller(config, launcher or load_launcher(config.launcher), images)
+        self.controller = Controller(config, launcher or load_launcher(config.launcher, config.vmm_seccomp), images)
         self._stop = asyncio.Event()
         self._lock_fd = -1
         self._served = False

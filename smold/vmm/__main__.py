@@ -11,6 +11,7 @@ import argparse  # noqa: E402  (the start time above is taken before any import 
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -65,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                          "child)")
     ap.add_argument("--verify-memory", action="store_true",
                     help="with --restore: check the memory file against its recorded sha256 first (reads it all)")
+    ap.add_argument("--seccomp", choices=("on", "off", "log"), default="off",
+                    help="system call filter installed before the vCPUs run: on (kill on a forbidden call), "
+                         "log (allow but log), off (default here; the daemon passes on). docs/security.md")
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("command", nargs="*", help="command to run in the guest (after --)")
     return ap
@@ -164,11 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner(config, boot_timeout=args.boot_timeout, process_start=_PROCESS_START,
                     on_ready=on_ready, remove_state_dir=own_dir, snapshot_dir=args.snapshot_on_ready,
                     after_snapshot=args.after_snapshot, on_snapshot=on_snapshot, restore_state=snap,
-                    new_identity=args.new_identity)
+                    new_identity=args.new_identity, seccomp=args.seccomp)
     body = None
     if args.command:
         def body(r: Runner, c: AgentClient) -> object:
             return _exec_body(r, c, args.command, args.exec_timeout)
+    if args.seccomp != "off":
+        # libuv would batch epoll_ctl through io_uring, whose operations no seccomp filter sees.
+        os.environ["UV_USE_IO_URING"] = "0"
     try:
         import uvloop
         outcome = uvloop.run(runner.run(body))
