@@ -96,6 +96,8 @@ def unpack_state(cls: type[T], data: bytes, *, source: str = "snapshot state") -
         obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SnapshotFormatError(f"{source}: state section is not valid JSON: {e}") from None
+    except RecursionError:   # found by tests/fuzz: '[' * 100000 exhausts the decoder's stack
+        raise SnapshotFormatError(f"{source}: state section is nested too deeply") from None
     return codec.decode(cls, obj)
 
 
