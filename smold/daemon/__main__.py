@@ -56,6 +56,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vmm-seccomp", choices=("on", "log", "off"), default="on",
                     help="each VM process's system call filter: on, log (allow but log) or off (on). "
                          "docs/security.md")
+    ap.add_argument("--jail", action="store_true",
+                    help="run each VM process in a jail: own mount/PID/IPC/UTS namespaces, a root holding only its "
+                         "files, an unprivileged uid, a cgroup memory and CPU limit (docs/security.md)")
+    ap.add_argument("--jail-uid", type=int, default=64000, help="uid of jailed VM processes (64000)")
+    ap.add_argument("--jail-gid", type=int, default=64000, help="gid of jailed VM processes (64000)")
     ap.add_argument("--launcher", default="vmm", help=argparse.SUPPRESS)  # tests: module:attribute
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return ap
@@ -69,7 +74,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         keep_failed=args.keep_failed, on_shutdown=args.on_shutdown, launcher=args.launcher,
         images=tuple(parse_image_option(i) for i in args.image), tcp=args.tcp,
         tls_cert=args.tls_cert and args.tls_cert.absolute(), tls_key=args.tls_key and args.tls_key.absolute(),
-        token_file=args.token_file and args.token_file.absolute(), vmm_seccomp=args.vmm_seccomp)
+        token_file=args.token_file and args.token_file.absolute(), vmm_seccomp=args.vmm_seccomp,
+        jail=args.jail, jail_uid=args.jail_uid, jail_gid=args.jail_gid)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,9 @@ class DaemonConfig:
     tls_key: Path | None = None  # its PEM private key
     token_file: Path | None = None  # bearer token every TCP call must carry (mode 0600 or stricter)
     vmm_seccomp: str = "on"  # each VM process's seccomp filter: on, log or off (smold/jail/seccomp.py)
+    jail: bool = False  # run each VMM in its jail (smold/jail/jailer.py): namespaces, chroot, uid, cgroup
+    jail_uid: int = 64000  # the jailed VMM's uid and gid (must not be 0)
+    jail_gid: int = 64000
 
     @property
     def machines_dir(self) -> Path:
@@ -90,6 +93,8 @@ class DaemonConfig:
             raise ValueError("--keep-failed must not be negative")
         if self.on_shutdown not in ("destroy", "leave"):
             raise ValueError("--on-shutdown must be 'destroy' or 'leave'")
+        if self.jail and (self.jail_uid <= 0 or self.jail_gid <= 0):
+            raise ValueError("--jail-uid and --jail-gid must be positive (not root)")
         if self.vmm_seccomp not in ("on", "log", "off"):
             raise ValueError("--vmm-seccomp must be 'on', 'log' or 'off'")
         if self.socket_mode & ~0o777:

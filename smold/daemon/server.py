@@ -22,7 +22,7 @@ from .config import DaemonConfig
 from .controller import Controller
 from .errors import DaemonSetupError
 from .images import ImageStore
-from .launcher import Launcher, load_launcher
+from .launcher import JailOptions, Launcher, load_launcher
 from .notify import sd_notify
 from .servicer import SmolServicer
 from .tcp import BearerTokenInterceptor, TcpListener, load_tcp_listener
@@ -69,7 +69,9 @@ class Daemon:
         if images is None:
             images = ImageStore.with_files(dict(config.images))
         self.tcp: TcpListener | None = load_tcp_listener(config)  # refuses bad TLS/token files before anything
-        self.controller = Controller(config, launcher or load_launcher(config.launcher, config.vmm_seccomp), images)
+        self.controller = Controller(config, launcher or load_launcher(
+            config.launcher, config.vmm_seccomp,
+            JailOptions(config.jail_uid, config.jail_gid) if config.jail else None), images)
         self._stop = asyncio.Event()
         self._lock_fd = -1
         self._served = False

@@ -255,6 +255,29 @@ def install(prog: Sequence[tuple[int, int, int, int]]) -> None:
         raise SeccompError(f"seccomp TSYNC: thread {ret} could not be synchronised")
 
 
+IO_URING_CALLS = ("io_uring_setup", "io_uring_enter", "io_uring_register")
+
+
+def build_io_uring_filter() -> list[tuple[int, int, int, int]]:
+    """A filter answering ENOSYS to io_uring and allowing everything else.
+
+    libuv (under uvloop) batches epoll_ctl through an io_uring whatever UV_USE_IO_URING says; operations
+    submitted to a ring are not system calls and no seccomp filter sees them. Installed before the event
+    loop exists, it makes libuv fall back to plain epoll_ctl; the VMM filter then kills any io_uring call.
+    """
+    prog = [_stmt(BPF_LD_W_ABS, OFF_NR)]
+    for name in IO_URING_CALLS:
+        prog += [_jump(BPF_JEQ_K, _number(name), 0, 1), _stmt(BPF_RET_K, SECCOMP_RET_ERRNO | errno.ENOSYS)]
+    prog.append(_stmt(BPF_RET_K, SECCOMP_RET_ALLOW))
+    return prog
+
+
+def install_early(mode: str) -> None:
+    """Before the event loop is created: refuse io_uring (see ``build_io_uring_filter``); nothing for off."""
+    if mode != "off":
+        install(build_io_uring_filter())
+
+
 def install_vmm_filter(mode: str) -> int:
     """Install the VMM's filter (``mode`` on or log); ``off`` installs nothing. Returns the instruction count."""
     if mode == "off":

@@ -11,12 +11,12 @@ import argparse  # noqa: E402  (the start time above is taken before any import 
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from smold.agent import AgentClient, ExecExit, ExecStderr, ExecStdout  # noqa: E402
+from smold.jail.seccomp import SeccompError, install_early  # noqa: E402
 from smold.kvm import is_pvm  # noqa: E402
 from smold.kvm.cpuid import default_vcpus  # noqa: E402
 from smold.snapshot.errors import SnapshotError  # noqa: E402
@@ -173,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command:
         def body(r: Runner, c: AgentClient) -> object:
             return _exec_body(r, c, args.command, args.exec_timeout)
-    if args.seccomp != "off":
-        # libuv would batch epoll_ctl through io_uring, whose operations no seccomp filter sees.
-        os.environ["UV_USE_IO_URING"] = "0"
+    try:
+        install_early(args.seccomp)   # no io_uring for libuv: ring operations escape seccomp
+    except SeccompError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         import uvloop
         outcome = uvloop.run(runner.run(body))

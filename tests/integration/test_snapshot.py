@@ -25,6 +25,7 @@ from smold.boot.cpu import setup_long_mode
 from smold.boot.layout import TSS_ADDR
 from smold.devices.bus import Bus
 from smold.images.artifacts import Artifacts, default_artifacts
+from smold.jail import seccomp
 from smold.kvm import Kvm, Vcpu, Vm
 from smold.kvm.api import is_pvm
 from smold.kvm.cpuid import build_cpuid, resolve_template
@@ -159,7 +160,7 @@ class RestoredVm(Microvm):
         super().__init__(Artifacts(Path(), Path(), Path()), state_dir=state_dir,
                          console_log=state_dir.parent / f"{state_dir.name}-console.log")
         self.argv = [sys.executable, "-m", "smold.vmm", "--restore", str(snapshot), "--state-dir", str(state_dir),
-                     "--console-log", str(self.console_log), *extra]
+                     "--console-log", str(self.console_log), "--seccomp", "on", *extra]
 
 
 def rss_mib(pid: int) -> dict[str, float]:
@@ -193,7 +194,7 @@ def baked(artifacts: Artifacts, tmp_path_factory: pytest.TempPathFactory) -> Ite
     snap = work / "snap"
     vm = Microvm(artifacts, cpus=1, memory_mib=512, state_dir=work / "parent",
                  console_log=work / "parent-console.log",
-                 extra_args=["--snapshot-on-ready", str(snap), "--", "sh", "-c", SETUP])
+                 extra_args=["--seccomp", "on", "--snapshot-on-ready", str(snap), "--", "sh", "-c", SETUP])
     vm.start()
     code = vm.wait(timeout=600)
     out = vm.stdout.decode(errors="replace")
@@ -241,6 +242,13 @@ def test_bake_wrote_a_checked_snapshot(baked: Baked) -> None:
     assert mem.stat().st_size == 512 * MiB
     assert mem.stat().st_blocks * 512 < 400 * MiB, "untouched guest RAM stays a hole in the memory file"
     print(f"\nbake: boot {baked.ready['boot_seconds']} s; {baked.snapshot_line}")
+
+
+@pytest_linux
+def test_restored_vm_runs_under_the_seccomp_filter(restored: RestoredA) -> None:
+    # RestoredVm passes --seccomp on: the restore, execs and control-socket snapshots below run filtered.
+    assert seccomp.filter_mode(restored.vm.pid) == 2
+    assert restored.vm.proc is not None and restored.vm.proc.poll() is None
 
 
 @pytest_linux

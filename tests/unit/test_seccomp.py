@@ -231,3 +231,24 @@ def test_log_mode_does_not_kill() -> None:
 def test_off_installs_nothing() -> None:
     assert sc.install_vmm_filter("off") == 0
     assert sc.filter_mode() == 0
+
+
+def test_io_uring_is_refused_so_uvloop_falls_back_to_epoll() -> None:
+    import asyncio
+
+    import uvloop
+
+    def body() -> int:
+        sc.install_early("on")
+        assert raw_syscall("io_uring_setup", 8, 0) == -1 and ctypes.get_errno() == errno.ENOSYS
+
+        async def main() -> int:
+            sc.install_vmm_filter("on")   # as the VMM does, in a running loop: io_uring_enter would now kill
+            r, w = os.pipe()
+            got = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().add_reader(r, lambda: got.set_result(os.read(r, 1)))
+            os.write(w, b"x")
+            return 0 if await asyncio.wait_for(got, 5) == b"x" else 4
+        return uvloop.run(main())
+    status = in_filtered_child(body, mode="off")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
