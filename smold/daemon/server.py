@@ -104,7 +104,8 @@ class Daemon:
 
     async def _serve_tcp(self, servicer: SmolServicer, tcp: TcpListener) -> grpc.aio.Server:
         """A second server, TLS only, whose every call must carry the bearer token (the interceptor)."""
-        server = grpc.aio.server(options=self._server_options(), interceptors=[BearerTokenInterceptor(tcp.token)])
+        server = grpc.aio.server(options=self._server_options(), interceptors=[BearerTokenInterceptor(tcp.token)],
+                                 maximum_concurrent_rpcs=self.config.max_concurrent_calls)
         pb_grpc.add_SmolServicer_to_server(servicer, server)
         try:
             port = server.add_secure_port(tcp.address, tcp.credentials())
@@ -126,7 +127,7 @@ class Daemon:
             _clear_stale_socket(path)
         except OSError as e:
             raise DaemonSetupError(f"cannot prepare {path}: {e}") from None
-        server = grpc.aio.server(options=self._server_options())
+        server = grpc.aio.server(options=self._server_options(), maximum_concurrent_rpcs=cfg.max_concurrent_calls)
         pb_grpc.add_SmolServicer_to_server(servicer, server)
         if not server.add_insecure_port(f"unix:{path}"):
             raise DaemonSetupError(f"cannot listen on {path}")
