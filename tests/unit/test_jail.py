@@ -169,3 +169,31 @@ def test_launcher_wraps_the_vmm_in_the_jail(tmp_path: Path) -> None:
     assert (args.name, args.uid, args.gid, args.memory_bytes, args.cpus) == ("m-7", 7000, 7001, 612 * MiB, 2.0)
     assert set(args.ro) == {Path("/k"), Path("/i"), Path("/r"), Path("/snap")} and args.state_dir == tmp_path
     assert VmmLauncher("/py").command(spec)[:3] == ["/py", "-m", "smold.vmm"]
+
+
+async def test_jailed_snapshot_is_written_in_the_state_dir_and_moved_into_place(tmp_path: Path) -> None:
+    """A jailed VMM sees only its state dir: the launcher asks for the snapshot there, then moves it."""
+    import asyncio
+
+    state, target = tmp_path / "state", tmp_path / "checkpoints" / ".tmp-1"
+    state.mkdir()
+    target.parent.mkdir()
+    asked: list[str] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        req = json.loads(await reader.readline())
+        asked.append(req["dir"])
+        Path(req["dir"]).mkdir()
+        (Path(req["dir"]) / "state.bin").write_text("s")
+        writer.write(json.dumps({"ok": True, "snapshot": {"directory": req["dir"]}}).encode() + b"\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_unix_server(serve, str(state / "control.sock"))
+    try:
+        info = await VmmLauncher("/py", jail=JailOptions()).snapshot(state, target)
+    finally:
+        server.close()
+    assert asked == [str(state / "snapshot.out")]
+    assert (target / "state.bin").read_text() == "s" and not (state / "snapshot.out").exists()
+    assert info["directory"] == str(target)
