@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import json
 import os
 import resource
@@ -39,6 +40,7 @@ SYS_PIVOT_ROOT = 155
 EXIT_FILE = "exit.json"
 DEVICES = ("/dev/kvm", "/dev/net/tun", "/dev/null", "/dev/urandom")
 OWNED_DEVICES = ("/dev/kvm", "/dev/net/tun")     # the VMM opens these: owned by its uid, mode 0600
+IMPORTED_PACKAGES = ("smold", "smol_agent")   # what the VMM imports from this project
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -96,6 +98,10 @@ def python_paths() -> list[Path]:
     """What the interpreter needs to start and import smold: its prefixes and every import path directory."""
     paths = [Path(sys.base_prefix), Path(sys.prefix), Path(sys.exec_prefix), Path(sys.executable).parent]
     paths += [Path(p) for p in sys.path if p and os.path.isabs(p)]
+    for name in IMPORTED_PACKAGES:   # an editable install finds these through a meta path finder, not sys.path
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            paths.append(Path(spec.origin).parent.parent)
     return [p for p in paths if p.is_dir()]
 
 

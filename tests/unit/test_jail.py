@@ -26,6 +26,7 @@ MiB = 1 << 20
 
 PROBE = r"""
 import json, os, resource, sys, time
+import smold.agent, smold.vmm.machine   # what the VMM imports must be inside the jail (editable installs too)
 secret = sys.argv[1]
 info = {
     "uid": os.getuid(), "gid": os.getgid(), "euid": os.geteuid(), "groups": os.getgroups(), "pid": os.getpid(),
