@@ -53,6 +53,19 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM private key for --tcp (mode 0600)")
     ap.add_argument("--token-file", type=Path, metavar="FILE",
                     help="bearer token (32+ characters) every TCP call must send (mode 0600)")
+    ap.add_argument("--vmm-seccomp", choices=("on", "log", "off"), default="on",
+                    help="each VM process's system call filter: on, log (allow but log) or off (on). "
+                         "docs/security.md")
+    ap.add_argument("--mount-root", type=Path, action="append", default=[], metavar="DIR",
+                    help="mount sources must lie inside one of these directories (repeatable; default: anywhere "
+                         "the client's base_dir says, as read by the daemon's user). docs/security.md")
+    ap.add_argument("--max-concurrent-calls", type=int, default=256,
+                    help="gRPC calls in progress at once per listener; more are refused (256)")
+    ap.add_argument("--jail", action="store_true",
+                    help="run each VM process in a jail: own mount/PID/IPC/UTS namespaces, a root holding only its "
+                         "files, an unprivileged uid, a cgroup memory and CPU limit (docs/security.md)")
+    ap.add_argument("--jail-uid", type=int, default=64000, help="uid of jailed VM processes (64000)")
+    ap.add_argument("--jail-gid", type=int, default=64000, help="gid of jailed VM processes (64000)")
     ap.add_argument("--launcher", default="vmm", help=argparse.SUPPRESS)  # tests: module:attribute
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return ap
@@ -66,7 +79,9 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         keep_failed=args.keep_failed, on_shutdown=args.on_shutdown, launcher=args.launcher,
         images=tuple(parse_image_option(i) for i in args.image), tcp=args.tcp,
         tls_cert=args.tls_cert and args.tls_cert.absolute(), tls_key=args.tls_key and args.tls_key.absolute(),
-        token_file=args.token_file and args.token_file.absolute())
+        token_file=args.token_file and args.token_file.absolute(), vmm_seccomp=args.vmm_seccomp,
+        mount_roots=tuple(p.absolute() for p in args.mount_root), max_concurrent_calls=args.max_concurrent_calls,
+        jail=args.jail, jail_uid=args.jail_uid, jail_gid=args.jail_gid)
 
 
 def main(argv: list[str] | None = None) -> int:

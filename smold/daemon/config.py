@@ -52,6 +52,12 @@ class DaemonConfig:
     tls_cert: Path | None = None  # PEM certificate chain served on tcp
     tls_key: Path | None = None  # its PEM private key
     token_file: Path | None = None  # bearer token every TCP call must carry (mode 0600 or stricter)
+    vmm_seccomp: str = "on"  # each VM process's seccomp filter: on, log or off (smold/jail/seccomp.py)
+    mount_roots: tuple[Path, ...] = ()  # when set, mount sources must resolve inside one of these directories
+    max_concurrent_calls: int = 256  # gRPC calls in progress at once (per listener); more get RESOURCE_EXHAUSTED
+    jail: bool = False  # run each VMM in its jail (smold/jail/jailer.py): namespaces, chroot, uid, cgroup
+    jail_uid: int = 64000  # the jailed VMM's uid and gid (must not be 0)
+    jail_gid: int = 64000
 
     @property
     def machines_dir(self) -> Path:
@@ -94,6 +100,14 @@ class DaemonConfig:
             raise ValueError("--keep-failed must not be negative")
         if self.on_shutdown not in ("destroy", "leave"):
             raise ValueError("--on-shutdown must be 'destroy' or 'leave'")
+        if self.max_concurrent_calls < 1:
+            raise ValueError("--max-concurrent-calls must be at least 1")
+        if any(not p.is_absolute() for p in self.mount_roots):
+            raise ValueError("--mount-root must be an absolute path")
+        if self.jail and (self.jail_uid <= 0 or self.jail_gid <= 0):
+            raise ValueError("--jail-uid and --jail-gid must be positive (not root)")
+        if self.vmm_seccomp not in ("on", "log", "off"):
+            raise ValueError("--vmm-seccomp must be 'on', 'log' or 'off'")
         if self.socket_mode & ~0o777:
             raise ValueError(f"--socket-mode must be permission bits (got {oct(self.socket_mode)})")
         tls = {"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--token-file": self.token_file}

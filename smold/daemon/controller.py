@@ -389,6 +389,7 @@ class Controller:
         (unless ``use_bake`` is false)."""
         if restore is None:
             await asyncio.to_thread(check_mount_sources, smolfile, filename=filename)
+            await asyncio.to_thread(check_mount_roots, smolfile, self.config.mount_roots, filename)
         self._admit(smolfile, name)  # fail fast before resolving the image (which may hash files)
         image = await self.images.resolve(smolfile.image)
         note = ""
@@ -1194,3 +1195,17 @@ def _ms_since(start: float) -> int:
 def _log_task_error(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None and not isinstance(task.exception(), DaemonError):
         log.error("background task failed: %r", task.exception())
+
+
+def check_mount_roots(smolfile: Smolfile, roots: tuple[Path, ...], filename: str) -> None:
+    """With ``--mount-root``: every mount source (symlinks resolved) lies inside one of ``roots``, so a
+    client cannot have the daemon read host files outside them by naming another base_dir."""
+    if not roots or not smolfile.mounts:
+        return
+    allowed = [r.resolve() for r in roots]
+    for mount in smolfile.mounts:
+        real = smolfile.host_path(mount).resolve()
+        if not any(real == r or r in real.parents for r in allowed):
+            raise SmolfileError.at(filename, ["mounts", mount.host],
+                                   f"host path {real} is outside the daemon's mount roots "
+                                   f"({', '.join(map(str, allowed))})")

@@ -14,6 +14,7 @@ import asyncio
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -121,16 +122,63 @@ def read_ready(path: Path) -> dict[str, Any] | None:
     return info if isinstance(info, dict) else None
 
 
+@dataclass(frozen=True)
+class JailOptions:
+    """How VmmLauncher jails each VMM (``python -m smold.jail``, smold/jail/jailer.py; docs/security.md)."""
+
+    uid: int = 64000
+    gid: int = 64000
+    base: Path = Path("/run/smol-jail")      # jail roots: BASE/<machine id>
+    memory_overhead_mib: int = 256           # cgroup memory.max = guest RAM + this (the VMM's own memory)
+    cgroup_parent: str = "smol"
+
+
+SNAPSHOT_OUT = "snapshot.out"   # a jailed VMM writes snapshots here (its state dir), the daemon moves them
+
+
 class VmmLauncher(Launcher):
     """One ``python -m smold.vmm`` process per VM, cold-booting the image or restoring a snapshot
-    (smold/vmm/__main__.py)."""
+    (smold/vmm/__main__.py); with ``jail``, each inside its jail (``python -m smold.jail ... -- VMM``)."""
 
     kind = "vmm"
 
-    def __init__(self, python: str = sys.executable) -> None:
+    def __init__(self, python: str = sys.executable, seccomp: str = "on", jail: JailOptions | None = None) -> None:
         self.python = python
+        self.seccomp = seccomp   # the VMM's system call filter: on, log or off (smold/jail/seccomp.py)
+        self.jail = jail
 
     def command(self, spec: LaunchSpec) -> list[str]:
+        argv = self.vmm_command(spec)
+        if self.jail is None:
+            return argv
+        j = self.jail
+        paths = [spec.image.kernel, spec.image.initramfs, spec.image.rootfs]
+        if spec.restore_from is not None:
+            paths.append(spec.restore_from)
+        ro = [a for p in paths for a in ("--ro", str(Path(p).absolute()))]
+        return [self.python, "-m", "smold.jail", "--name", spec.machine_id, "--uid", str(j.uid), "--gid", str(j.gid),
+                "--state-dir", str(spec.state_dir), "--jail-base", str(j.base), *ro,
+                "--memory-bytes", str((spec.memory_mib + j.memory_overhead_mib) << 20), "--cpus", str(spec.cpus),
+                "--cgroup-parent", j.cgroup_parent, "--", *argv]
+
+    async def snapshot(self, state_dir: Path, directory: Path, timeout: float = 300.0) -> dict[str, Any]:
+        if self.jail is None:
+            return await super().snapshot(state_dir, directory, timeout)
+        # The jail shows the VMM only its state dir: it writes there, the daemon moves the result into place
+        # (same filesystem: both live under the daemon's state directory).
+        out = state_dir / SNAPSHOT_OUT
+        await asyncio.to_thread(shutil.rmtree, out, True)
+        info = await super().snapshot(state_dir, out, timeout)
+        try:
+            await asyncio.to_thread(os.rename, out, directory)
+        except OSError as e:
+            await asyncio.to_thread(shutil.rmtree, out, True)
+            raise LaunchError(f"cannot move the snapshot into {directory}: {e}") from None
+        info["directory"] = str(directory)
+        return info
+
+    def vmm_command(self, spec: LaunchSpec) -> list[str]:
+        """The VMM's own argv (``command`` without the jail)."""
         d = spec.state_dir
         if spec.restore_from is not None:  # vCPUs, memory, kernel and disk come from the snapshot
             return [
@@ -140,6 +188,7 @@ class VmmLauncher(Launcher):
                 "--console-log", str(d / CONSOLE_FILE),
                 "--boot-timeout", f"{spec.boot_timeout:g}",
                 "--hostname", spec.hostname,
+                "--seccomp", self.seccomp,
                 "--new-identity",
             ]
         return [
@@ -153,6 +202,7 @@ class VmmLauncher(Launcher):
             "--console-log", str(d / CONSOLE_FILE),
             "--boot-timeout", f"{spec.boot_timeout:g}",
             "--hostname", spec.hostname,
+            "--seccomp", self.seccomp,
         ]
 
     async def connect(self, state_dir: Path, ready: dict[str, Any], timeout: float = 10.0) -> AgentClient:
@@ -161,10 +211,10 @@ class VmmLauncher(Launcher):
         return await connect_vsock_uds(path, port, timeout=timeout)
 
 
-def load_launcher(name: str) -> Launcher:
+def load_launcher(name: str, seccomp: str = "on", jail: JailOptions | None = None) -> Launcher:
     """``vmm``, or ``module:attribute`` naming a Launcher subclass or a factory returning one (tests)."""
     if name == "vmm":
-        return VmmLauncher()
+        return VmmLauncher(seccomp=seccomp, jail=jail)
     module_name, sep, attr = name.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--launcher must be 'vmm' or 'module:attribute' (got {name!r})")

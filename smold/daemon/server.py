@@ -22,7 +22,7 @@ from .config import DaemonConfig
 from .controller import Controller
 from .errors import DaemonSetupError
 from .images import ImageStore
-from .launcher import Launcher, load_launcher
+from .launcher import JailOptions, Launcher, load_launcher
 from .notify import sd_notify
 from .servicer import SmolServicer
 from .tcp import BearerTokenInterceptor, TcpListener, load_tcp_listener
@@ -69,7 +69,9 @@ class Daemon:
         if images is None:
             images = ImageStore.with_files(dict(config.images))
         self.tcp: TcpListener | None = load_tcp_listener(config)  # refuses bad TLS/token files before anything
-        self.controller = Controller(config, launcher or load_launcher(config.launcher), images)
+        self.controller = Controller(config, launcher or load_launcher(
+            config.launcher, config.vmm_seccomp,
+            JailOptions(config.jail_uid, config.jail_gid) if config.jail else None), images)
         self._stop = asyncio.Event()
         self._lock_fd = -1
         self._served = False
@@ -102,7 +104,8 @@ class Daemon:
 
     async def _serve_tcp(self, servicer: SmolServicer, tcp: TcpListener) -> grpc.aio.Server:
         """A second server, TLS only, whose every call must carry the bearer token (the interceptor)."""
-        server = grpc.aio.server(options=self._server_options(), interceptors=[BearerTokenInterceptor(tcp.token)])
+        server = grpc.aio.server(options=self._server_options(), interceptors=[BearerTokenInterceptor(tcp.token)],
+                                 maximum_concurrent_rpcs=self.config.max_concurrent_calls)
         pb_grpc.add_SmolServicer_to_server(servicer, server)
         try:
             port = server.add_secure_port(tcp.address, tcp.credentials())
@@ -124,7 +127,7 @@ class Daemon:
             _clear_stale_socket(path)
         except OSError as e:
             raise DaemonSetupError(f"cannot prepare {path}: {e}") from None
-        server = grpc.aio.server(options=self._server_options())
+        server = grpc.aio.server(options=self._server_options(), maximum_concurrent_rpcs=cfg.max_concurrent_calls)
         pb_grpc.add_SmolServicer_to_server(servicer, server)
         if not server.add_insecure_port(f"unix:{path}"):
             raise DaemonSetupError(f"cannot listen on {path}")

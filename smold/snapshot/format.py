@@ -40,6 +40,8 @@ _HEADER = struct.Struct("<8sIIQ32s8s")
 HEADER_SIZE = _HEADER.size
 MAX_STATE_BYTES = 16 * 1024 * 1024   # a VM's state is a few hundred KiB; anything bigger is refused
 _DIGEST_OFFSET = 24
+# Readable by a jailed VMM's unprivileged uid (smold/jail); the daemon keeps snapshots under 0700 directories.
+SNAPSHOT_FILE_MODE = 0o644
 
 assert HEADER_SIZE == 64
 
@@ -96,6 +98,8 @@ def unpack_state(cls: type[T], data: bytes, *, source: str = "snapshot state") -
         obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SnapshotFormatError(f"{source}: state section is not valid JSON: {e}") from None
+    except RecursionError:   # found by tests/fuzz: '[' * 100000 exhausts the decoder's stack
+        raise SnapshotFormatError(f"{source}: state section is nested too deeply") from None
     return codec.decode(cls, obj)
 
 
@@ -104,7 +108,7 @@ def write_state_file(path: Path, state: Any) -> int:
     data = pack_state(state)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, SNAPSHOT_FILE_MODE)
         try:
             view = memoryview(data)
             while view:

@@ -23,7 +23,7 @@ from smold.snapshot.errors import (
     SnapshotFormatError,
     SnapshotTruncatedError,
 )
-from smold.snapshot.format import read_state_file, write_state_file
+from smold.snapshot.format import SNAPSHOT_FILE_MODE, read_state_file, write_state_file
 from smold.snapshot.state import STATE_KIND, MemoryRegionState, MemoryState, VmSnapshot
 
 STATE_FILE = "snapshot.state"
@@ -57,7 +57,7 @@ def write_memory(directory: Path, mem: GuestMemory, *, digest: bool = False, dur
     final = directory / MEMORY_FILE
     tmp = _tmp(final)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, SNAPSHOT_FILE_MODE)
         try:
             written = mem.dump(fd)
             if durable:

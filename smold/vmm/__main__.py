@@ -16,6 +16,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from smold.agent import AgentClient, ExecExit, ExecStderr, ExecStdout  # noqa: E402
+from smold.jail.seccomp import SeccompError, install_early  # noqa: E402
 from smold.kvm import is_pvm  # noqa: E402
 from smold.kvm.cpuid import default_vcpus  # noqa: E402
 from smold.snapshot.errors import SnapshotError  # noqa: E402
@@ -65,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                          "child)")
     ap.add_argument("--verify-memory", action="store_true",
                     help="with --restore: check the memory file against its recorded sha256 first (reads it all)")
+    ap.add_argument("--seccomp", choices=("on", "off", "log"), default="off",
+                    help="system call filter installed before the vCPUs run: on (kill on a forbidden call), "
+                         "log (allow but log), off (default here; the daemon passes on). docs/security.md")
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("command", nargs="*", help="command to run in the guest (after --)")
     return ap
@@ -164,11 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner(config, boot_timeout=args.boot_timeout, process_start=_PROCESS_START,
                     on_ready=on_ready, remove_state_dir=own_dir, snapshot_dir=args.snapshot_on_ready,
                     after_snapshot=args.after_snapshot, on_snapshot=on_snapshot, restore_state=snap,
-                    new_identity=args.new_identity)
+                    new_identity=args.new_identity, seccomp=args.seccomp)
     body = None
     if args.command:
         def body(r: Runner, c: AgentClient) -> object:
             return _exec_body(r, c, args.command, args.exec_timeout)
+    try:
+        install_early(args.seccomp)   # no io_uring for libuv: ring operations escape seccomp
+    except SeccompError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         import uvloop
         outcome = uvloop.run(runner.run(body))

@@ -485,8 +485,12 @@ class Machine:
             text += f" code@rip={self.mem.read(regs.rip, 16).hex()}"
         return text
 
-    async def run(self, on_started: Callable[[], None] | None = None) -> MachineExit:
-        """Start the devices and vCPUs; return when the guest powers off, faults, or ``stop`` is called."""
+    async def run(self, on_started: Callable[[], None] | None = None,
+                  before_vcpus: Callable[[], None] | None = None) -> MachineExit:
+        """Start the devices and vCPUs; return when the guest powers off, faults, or ``stop`` is called.
+
+        ``before_vcpus`` runs once every fd is open and before any vCPU runs guest code (the seccomp filter,
+        smold/jail/seccomp.py); if it raises, no vCPU starts and the machine ends with an error."""
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._done = asyncio.Event()
@@ -495,8 +499,14 @@ class Machine:
         for fd, transport, queue in self._notify_fds:
             loop.add_reader(fd, self._on_notify, fd, transport, queue)
         install_kick_handler()
-        self.threads = [VcpuThread(v, self.pio, self.mmio, self._on_vcpu_exit, describe_fault=self.describe_fault)
-                        for v in self.vcpus]
+        if before_vcpus is not None:
+            try:
+                before_vcpus()
+            except Exception as e:
+                self._finish(MachineExit("error", f"cannot confine the VMM before its vCPUs run: {e}"))
+        self.threads = [] if self._exit is not None else [
+            VcpuThread(v, self.pio, self.mmio, self._on_vcpu_exit, describe_fault=self.describe_fault)
+            for v in self.vcpus]
         if self._snapshot_state is not None:
             self._kick_after_restore()
             try:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from smold.agent import AgentClient, AgentError, connect_vsock_uds, wait_ready
+from smold.jail.seccomp import install_vmm_filter
 from smold.snapshot.errors import SnapshotError
 from smold.snapshot.state import VmSnapshot
 from smold.vmm.control import ControlServer
@@ -112,9 +113,14 @@ class Runner:
                  remove_state_dir: bool = False, snapshot_dir: Path | None = None,
                  after_snapshot: str = AfterSnapshot.EXIT,
                  on_snapshot: Callable[[SnapshotResult], None] | None = None,
-                 restore_state: VmSnapshot | None = None, new_identity: bool = False) -> None:
+                 restore_state: VmSnapshot | None = None, new_identity: bool = False,
+                 seccomp: str = "off") -> None:
         """``snapshot_dir``: once the agent is ready and ``body`` (the setup command) succeeded, write a
-        snapshot there, then exit or continue (``after_snapshot``)."""
+        snapshot there, then exit or continue (``after_snapshot``). ``seccomp``: on, log or off, the system
+        call filter installed once the machine is built, before its vCPUs run (smold/jail/seccomp.py)."""
+        if seccomp not in ("on", "log", "off"):
+            raise RunnerError(f"seccomp must be 'on', 'log' or 'off', not {seccomp!r}")
+        self.seccomp = seccomp
         if after_snapshot not in (AfterSnapshot.EXIT, AfterSnapshot.CONTINUE):
             raise RunnerError(f"after_snapshot must be 'exit' or 'continue', not {after_snapshot!r}")
         self.snapshot_dir = snapshot_dir
@@ -173,7 +179,7 @@ class Runner:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, machine.stop, f"stopped by signal {sig.name}")
             started = asyncio.Event()
-            run_task = asyncio.ensure_future(machine.run(on_started=started.set))
+            run_task = asyncio.ensure_future(machine.run(on_started=started.set, before_vcpus=self._confine))
             await started.wait()
             control = ControlServer(machine, state_dir / CONTROL_FILE)
             await control.start()
@@ -214,6 +220,12 @@ class Runner:
             else:
                 with contextlib.suppress(OSError):
                     _write_atomic(state_dir / EXIT_FILE, outcome.to_json())
+
+    def _confine(self) -> None:
+        """Install the seccomp filter (every fd the VMM needs is open by now); SeccompError if it cannot."""
+        count = install_vmm_filter(self.seccomp)
+        if count:
+            log.info("seccomp filter installed (%s, %d BPF instructions)", self.seccomp, count)
 
     async def _supervise(self, machine: Machine, outcome: RunOutcome,
                          body: Callable[[Runner, AgentClient], Any] | None) -> None:

@@ -32,7 +32,8 @@ def artifacts() -> Artifacts:
 def vm(artifacts: Artifacts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Microvm]:
     logs = tmp_path_factory.mktemp("vm")
     # No --state-dir: the VMM makes a private temp dir and must remove it at exit (checked below).
-    m = Microvm(artifacts, cpus=CPUS, memory_mib=512, console_log=logs / "console.log")
+    m = Microvm(artifacts, cpus=CPUS, memory_mib=512, console_log=logs / "console.log",
+                extra_args=["--seccomp", "on"])
     m.start()
     yield m
     m.kill()
@@ -63,6 +64,15 @@ def test_ready_reports_boot(vm: Microvm) -> None:
     assert vm.ready["boot_seconds"] > 0
     assert Path(vm.vsock_path).exists()
     assert _children(vm.pid) == []          # the VMM is one process: vCPUs are threads, no helpers
+
+
+def test_vmm_runs_under_its_seccomp_filter(vm: Microvm) -> None:
+    # --seccomp on: the filter (smold/jail/seccomp.py) is installed before the vCPUs run, in every thread;
+    # every other test in this module then runs against a filtered VMM (a forbidden call would kill it).
+    status = Path(f"/proc/{vm.pid}/status").read_text()
+    assert "\nSeccomp:\t2\n" in status and "\nNoNewPrivs:\t1\n" in status
+    for task in os.listdir(f"/proc/{vm.pid}/task"):
+        assert "\nSeccomp:\t2\n" in Path(f"/proc/{vm.pid}/task/{task}/status").read_text(), task
 
 
 def test_exec_stdout_stderr_exit_code(vm: Microvm) -> None:

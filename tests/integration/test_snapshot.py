@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from smold.boot.cpu import setup_long_mode
 from smold.boot.layout import TSS_ADDR
 from smold.devices.bus import Bus
 from smold.images.artifacts import Artifacts, default_artifacts
+from smold.jail import seccomp
 from smold.kvm import Kvm, Vcpu, Vm
 from smold.kvm.api import is_pvm
 from smold.kvm.cpuid import build_cpuid, resolve_template
@@ -159,7 +161,7 @@ class RestoredVm(Microvm):
         super().__init__(Artifacts(Path(), Path(), Path()), state_dir=state_dir,
                          console_log=state_dir.parent / f"{state_dir.name}-console.log")
         self.argv = [sys.executable, "-m", "smold.vmm", "--restore", str(snapshot), "--state-dir", str(state_dir),
-                     "--console-log", str(self.console_log), *extra]
+                     "--console-log", str(self.console_log), "--seccomp", "on", *extra]
 
 
 def rss_mib(pid: int) -> dict[str, float]:
@@ -193,7 +195,7 @@ def baked(artifacts: Artifacts, tmp_path_factory: pytest.TempPathFactory) -> Ite
     snap = work / "snap"
     vm = Microvm(artifacts, cpus=1, memory_mib=512, state_dir=work / "parent",
                  console_log=work / "parent-console.log",
-                 extra_args=["--snapshot-on-ready", str(snap), "--", "sh", "-c", SETUP])
+                 extra_args=["--seccomp", "on", "--snapshot-on-ready", str(snap), "--", "sh", "-c", SETUP])
     vm.start()
     code = vm.wait(timeout=600)
     out = vm.stdout.decode(errors="replace")
@@ -241,6 +243,13 @@ def test_bake_wrote_a_checked_snapshot(baked: Baked) -> None:
     assert mem.stat().st_size == 512 * MiB
     assert mem.stat().st_blocks * 512 < 400 * MiB, "untouched guest RAM stays a hole in the memory file"
     print(f"\nbake: boot {baked.ready['boot_seconds']} s; {baked.snapshot_line}")
+
+
+@pytest_linux
+def test_restored_vm_runs_under_the_seccomp_filter(restored: RestoredA) -> None:
+    # RestoredVm passes --seccomp on: the restore, execs and control-socket snapshots below run filtered.
+    assert seccomp.filter_mode(restored.vm.pid) == 2
+    assert restored.vm.proc is not None and restored.vm.proc.poll() is None
 
 
 @pytest_linux
@@ -349,3 +358,56 @@ def _run_on(vsock_path: str, argv: list[str]) -> ExecResult:
         finally:
             await client.close()
     return asyncio.run(go())
+
+
+JAIL_UID = 64000
+
+
+@pytest_linux
+@pytest.mark.skipif(os.geteuid() != 0, reason="the jail needs root")
+def test_jailed_restore_execs_and_sees_only_its_jail(baked: Baked, tmp_path: Path) -> None:
+    """A restored VMM inside its jail (smold/jail/jailer.py) with seccomp on: it runs and snapshots, and the
+    host sees it as an unprivileged, cgroup-limited process whose root holds only the jail."""
+    state = tmp_path / "jailed"
+    state.mkdir()
+    rootfs = read_snapshot(baked.snapshot).spec.rootfs
+    assert rootfs is not None
+    vm = RestoredVm(baked.snapshot, state)
+    vm.console_log = state / "console.log"           # inside the state dir: nothing else is writable
+    vm.argv = [sys.executable, "-m", "smold.jail", "--name", "itest-jail", "--uid", str(JAIL_UID),
+               "--gid", str(JAIL_UID), "--state-dir", str(state), "--jail-base", str(tmp_path / "jails"),
+               "--ro", str(baked.snapshot), "--ro", rootfs.path, "--memory-bytes", str((512 + 256) << 20),
+               "--cpus", "1", "--cgroup-parent", "smol-test", "--",
+               sys.executable, "-m", "smold.vmm", "--restore", str(baked.snapshot), "--state-dir", str(state),
+               "--console-log", str(vm.console_log), "--seccomp", "on"]
+    vm.start(timeout=120)
+    try:
+        kids = Path(f"/proc/{vm.pid}/task/{vm.pid}/children").read_text().split()
+        assert len(kids) == 1
+        vmm = int(kids[0])
+        assert os.stat(f"/proc/{vmm}").st_uid == JAIL_UID
+        assert seccomp.filter_mode(vmm) == 2
+        seen = set(os.listdir(f"/proc/{vmm}/root"))
+        assert {"dev", "proc", "usr", "tmp"} <= seen and "home" not in seen and "var" not in seen, seen
+        assert not os.path.exists(f"/proc/{vmm}/root{baked.work / 'parent'}")   # another VM's state dir
+        assert sorted(os.listdir(f"/proc/{vmm}/root/dev")) in (["kvm", "net", "null", "urandom"],
+                                                               ["kvm", "null", "urandom"])
+        from smold.jail.cgroup import Cgroup
+        cg = Cgroup("itest-jail", "smol-test")
+        assert cg.memory_limit() == (512 + 256) << 20 and vmm in cg.procs()
+        r = vm.run(["sh", "-c", "read m < /root/marker; echo $m"], timeout=300)
+        assert (r.exit_code, r.stdout) == (0, b"baked\n"), r
+        reply = asyncio.run(control_request(state / "control.sock",
+                                            {"op": "snapshot", "dir": str(state / "snapshot.out"), "resume": True},
+                                            timeout=120))
+        assert reply.get("ok"), reply
+        assert read_snapshot(state / "snapshot.out").spec.memory_mib == 512
+        assert os.stat(state / "snapshot.out" / STATE_FILE).st_uid == JAIL_UID
+        r = vm.run(["true"], timeout=300)
+        assert r.exit_code == 0
+        os.kill(vm.pid, signal.SIGTERM)                  # the jailer forwards it; the VMM ends cleanly
+        assert vm.wait(60) == 0, vm.stderr.decode(errors="replace")[-2000:]
+    finally:
+        vm.kill()
+    assert not cg.dirs["" if cg.v2 else "memory"].exists()   # the jailer removed the cgroup
+    assert not (tmp_path / "jails" / "itest-jail").exists()

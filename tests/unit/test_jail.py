@@ -1,0 +1,200 @@
+"""The VMM jail (smold/jail/jailer.py) around a stand-in program: what the jailed process sees, who it runs
+as, its limits and cgroup, and an OOM kill that is reported while a neighbouring jail keeps running.
+
+No KVM: the jailer does not care what it execs. Needs root (namespaces, mounts, cgroups)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from smold.daemon.images import Image
+from smold.daemon.launcher import JailOptions, LaunchSpec, VmmLauncher
+from smold.jail.cgroup import Cgroup, CgroupError
+from smold.jail.jailer import JailError, JailSpec, minimal
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the jail needs root")
+
+UID = GID = 64123
+MiB = 1 << 20
+
+PROBE = r"""
+import json, os, resource, sys, time
+import smold.agent, smold.vmm.machine   # what the VMM imports must be inside the jail (editable installs too)
+secret = sys.argv[1]
+info = {
+    "uid": os.getuid(), "gid": os.getgid(), "euid": os.geteuid(), "groups": os.getgroups(), "pid": os.getpid(),
+    "hostname": os.uname().nodename, "root": sorted(os.listdir("/")), "dev": sorted(os.listdir("/dev")),
+    "secret_visible": os.path.exists(secret), "etc": sorted(os.listdir("/etc")),
+    "nnp": [l.split()[1] for l in open("/proc/self/status") if l.startswith("NoNewPrivs")][0],
+    "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0], "core": resource.getrlimit(resource.RLIMIT_CORE)[1],
+    "procs": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
+    "state_writable": os.access(os.getcwd(), os.W_OK), "cwd": os.getcwd(),
+}
+try:
+    open("/usr/smol-jail-test", "w")
+    info["usr_writable"] = True
+except OSError:
+    info["usr_writable"] = False
+with open("probe.json", "w") as f:
+    json.dump(info, f)
+time.sleep(float(sys.argv[2]))
+"""
+
+HOG = r"""
+import sys, time
+if sys.argv[1] == "hog":
+    chunks = []
+    for _ in range(64):
+        chunks.append(bytearray(16 << 20))   # touched: zero-filled pages are charged to the cgroup
+else:
+    time.sleep(float(sys.argv[2]))
+    open("done", "w").write("ok")
+"""
+
+
+def jail_argv(name: str, state: Path, base: Path, memory: int | None, *cmd: str) -> list[str]:
+    argv = [sys.executable, "-m", "smold.jail", "--name", name, "--uid", str(UID), "--gid", str(GID),
+            "--state-dir", str(state), "--jail-base", str(base), "--cgroup-parent", "smol-test"]
+    if memory:
+        argv += ["--memory-bytes", str(memory), "--cpus", "0.5"]
+    return [*argv, "--", *cmd]
+
+
+def start(argv: list[str]) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+
+
+def child_of(pid: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if kids:
+            return int(kids[0])
+        time.sleep(0.02)
+    raise AssertionError("the jailer started no child")
+
+
+def wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"jailed process ended ({proc.returncode}): {proc.stderr.read().decode()}")
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+    time.sleep(0.1)
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    return tmp_path / "jails"
+
+
+def test_jailed_process_sees_only_its_jail(tmp_path: Path, base: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    secret = tmp_path / "host-secret"
+    secret.write_text("not for the VMM")
+    proc = start(jail_argv("probe", state, base, 128 * MiB, sys.executable, "-c", PROBE, str(secret), "3"))
+    try:
+        wait_file(state / "probe.json", proc)
+        vmm = child_of(proc.pid)
+        info = json.loads((state / "probe.json").read_text())
+        # The host's view of the jailed process: its root is the jail, its cgroup is limited.
+        assert sorted(os.listdir(f"/proc/{vmm}/root")) == info["root"] != sorted(os.listdir("/"))
+        assert not os.path.exists(f"/proc/{vmm}/root{secret}")
+        assert os.stat(f"/proc/{vmm}").st_uid == UID
+        cg = Cgroup("probe", "smol-test")
+        assert cg.memory_limit() == 128 * MiB
+        assert vmm in cg.procs() and proc.pid not in cg.procs()   # the jailer stays outside
+        assert proc.wait(30) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        proc.kill()
+    assert (info["uid"], info["gid"], info["euid"], info["groups"]) == (UID, GID, UID, [])
+    assert info["pid"] == 1 and info["procs"] == [1]       # its own PID namespace: nothing else visible
+    assert info["hostname"] == "smol-vmm"
+    assert not info["secret_visible"] and not info["usr_writable"] and info["state_writable"]
+    assert set(info["root"]) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "sys",
+                                 "tmp", "usr", "root", "work", "home", "opt", "var", "srv"}
+    assert set(info["dev"]) <= {"kvm", "net", "null", "urandom"}
+    assert set(info["etc"]) <= {"ld.so.cache", "localtime"}   # no passwd, no shadow, no host config
+    assert (info["nnp"], info["nofile"], info["core"]) == ("1", 4096, 0)
+    assert info["cwd"] == str(state)
+    assert not Cgroup("probe", "smol-test").dirs["" if Cgroup("probe", "smol-test").v2 else "memory"].exists()
+    assert not (base / "probe").exists()
+
+
+def test_oom_kill_is_reported_and_the_neighbour_keeps_running(tmp_path: Path, base: Path) -> None:
+    hog_state, calm_state = tmp_path / "hog", tmp_path / "calm"
+    hog_state.mkdir()
+    calm_state.mkdir()
+    calm = start(jail_argv("calm", calm_state, base, 128 * MiB, sys.executable, "-c", HOG, "calm", "4"))
+    hog = start(jail_argv("hog", hog_state, base, 96 * MiB, sys.executable, "-c", HOG, "hog", "0"))
+    assert hog.wait(60) == 137, hog.stderr.read() if hog.stderr else ""
+    info = json.loads((hog_state / "exit.json").read_text())
+    assert info["detail"] == "out of memory" and "cgroup memory limit of 96 MiB" in info["error"]
+    assert calm.poll() is None                      # the other jail is still running
+    assert calm.wait(60) == 0
+    assert (calm_state / "done").read_text() == "ok"
+    assert not (calm_state / "exit.json").exists()
+
+
+def test_jail_refuses_root_and_relative_paths(tmp_path: Path) -> None:
+    with pytest.raises(JailError, match="must not be 0"):
+        JailSpec("x", 0, 1, tmp_path, tmp_path).validate()
+    with pytest.raises(JailError, match="absolute"):
+        JailSpec("x", 5, 5, Path("rel"), tmp_path).validate()
+    with pytest.raises(JailError, match="bad jail name"):
+        JailSpec("../x", 5, 5, tmp_path, tmp_path).validate()
+    with pytest.raises(CgroupError):
+        Cgroup("a/b")
+    assert minimal([Path("/usr/lib"), Path("/usr"), Path("/opt/x"), Path("/usr")]) == [Path("/usr"), Path("/opt/x")]
+
+
+def test_launcher_wraps_the_vmm_in_the_jail(tmp_path: Path) -> None:
+    spec = LaunchSpec("m-7", tmp_path, Image("default", Path("/k"), Path("/i"), Path("/r")), 2, 512, "web", 60,
+                      restore_from=Path("/snap"))
+    launcher = VmmLauncher("/py", jail=JailOptions(uid=7000, gid=7001, memory_overhead_mib=100))
+    argv = launcher.command(spec)
+    sep = argv.index("--")
+    assert argv[:3] == ["/py", "-m", "smold.jail"] and argv[sep + 1:] == launcher.vmm_command(spec)
+    from smold.jail.__main__ import parser
+    args = parser().parse_args(argv[3:])
+    assert (args.name, args.uid, args.gid, args.memory_bytes, args.cpus) == ("m-7", 7000, 7001, 612 * MiB, 2.0)
+    assert set(args.ro) == {Path("/k"), Path("/i"), Path("/r"), Path("/snap")} and args.state_dir == tmp_path
+    assert VmmLauncher("/py").command(spec)[:3] == ["/py", "-m", "smold.vmm"]
+
+
+async def test_jailed_snapshot_is_written_in_the_state_dir_and_moved_into_place(tmp_path: Path) -> None:
+    """A jailed VMM sees only its state dir: the launcher asks for the snapshot there, then moves it."""
+    import asyncio
+
+    state, target = tmp_path / "state", tmp_path / "checkpoints" / ".tmp-1"
+    state.mkdir()
+    target.parent.mkdir()
+    asked: list[str] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        req = json.loads(await reader.readline())
+        asked.append(req["dir"])
+        Path(req["dir"]).mkdir()
+        (Path(req["dir"]) / "state.bin").write_text("s")
+        writer.write(json.dumps({"ok": True, "snapshot": {"directory": req["dir"]}}).encode() + b"\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_unix_server(serve, str(state / "control.sock"))
+    try:
+        info = await VmmLauncher("/py", jail=JailOptions()).snapshot(state, target)
+    finally:
+        server.close()
+    assert asked == [str(state / "snapshot.out")]
+    assert (target / "state.bin").read_text() == "s" and not (state / "snapshot.out").exists()
+    assert info["directory"] == str(target)
