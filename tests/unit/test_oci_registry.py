@@ -61,7 +61,8 @@ class LocalRegistry:
                 break
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"docker-registry did not start: {(workdir / 'registry.log').read_text()}")
+                    log = (workdir / "registry.log").read_text()
+                    raise RuntimeError(f"docker-registry did not start: {log}") from None
                 time.sleep(0.1)
 
     def push(self, layout: Path, name: str, *, all_platforms: bool = False) -> None:
