@@ -116,6 +116,21 @@ class Machine:
     destroy_requested: bool = False  # a Destroy arrived while creating: the create ends with an error
     checkpoint: Path | None = None   # the snapshot directory it was restored from (None: booted)
     snapshot_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one snapshot of its VM at a time
+    # Exec defaults from an OCI image's config (Env, WorkingDir, User); the Smolfile and requests win.
+    image_env: tuple[tuple[str, str], ...] = ()
+    image_cwd: str = ""
+    image_user: str = ""
+
+    @property
+    def environ(self) -> dict[str, str]:
+        """The environment every command gets: the image's Env, overridden by the Smolfile's env."""
+        return {**dict(self.image_env), **self.smolfile.environ}
+
+    def cwd_for(self, cwd: str | None) -> str | None:
+        return cwd or self.image_cwd or None
+
+    def user_for(self, user: str | None) -> str | None:
+        return user or self.image_user or None
 
     @property
     def cpus(self) -> int:
@@ -351,13 +366,15 @@ class Controller:
         if restore is None:
             await asyncio.to_thread(check_mount_sources, smolfile, filename=filename)
         self._admit(smolfile, name)  # fail fast before resolving the image (which may hash files)
-        image = await self.images.resolve(smolfile.image)
+        image = await self.images.resolve(smolfile.image, smolfile.base_dir)
         self._admit(smolfile, name)  # again: no await between this check and the insert below
         mid = f"m-{secrets.token_hex(6)}"
         m = Machine(
             id=mid, name=name, smolfile=smolfile, image=image.name, image_digest=image_digest or image.digest,
             smolfile_digest=digest(smolfile), state_dir=self.config.machines_dir / mid,
-            created_at=datetime.now(UTC), launcher=self.launcher.kind, checkpoint=restore)
+            created_at=datetime.now(UTC), launcher=self.launcher.kind, checkpoint=restore,
+            image_env=getattr(image, "env", ()), image_cwd=getattr(image, "working_dir", ""),
+            image_user=getattr(image, "user", ""))
         self._machines[mid] = m
         m.create_task = asyncio.current_task()
         try:
@@ -447,8 +464,8 @@ class Controller:
             for i, cmd in enumerate(sf.setup):
                 left = deadline - time.monotonic()
                 budget = min(cmd.timeout, left) if cmd.timeout is not None else left
-                step = await guestops.run_step(client, f"setup[{i}]", cmd.argv, env=sf.environ, cwd=cmd.cwd,
-                                               user=cmd.user, timeout=budget)
+                step = await guestops.run_step(client, f"setup[{i}]", cmd.argv, env=m.environ,
+                                               cwd=m.cwd_for(cmd.cwd), user=m.user_for(cmd.user), timeout=budget)
                 steps.append(step)
                 if not step.ok:
                     raise StepFailedError(step)
@@ -598,9 +615,9 @@ class Controller:
         if timeout is not None and not 0 < timeout <= 86400:
             raise InvalidRequestError(f"timeout_seconds: must be more than 0 and at most 86400 (got {timeout})")
         m = self._running(ref)
-        merged = {**m.smolfile.environ, **(env or {})}
+        merged = {**m.environ, **(env or {})}
         async with self._agent(m) as client:
-            stream = client.exec(list(argv), env=merged or None, cwd=cwd or None, user=user or None,
+            stream = client.exec(list(argv), env=merged or None, cwd=m.cwd_for(cwd), user=m.user_for(user),
                                  stdin=stdin or None, timeout=timeout)
             try:
                 try:
@@ -663,7 +680,7 @@ class Controller:
     async def _verify(self, m: Machine, checks: Sequence[Check] | None = None) -> VerifyResult:
         sf = m.smolfile
         async with self._agent(m) as client:
-            return await verify(client, sf.checks if checks is None else checks, env=sf.environ or None,
+            return await verify(client, sf.checks if checks is None else checks, env=m.environ or None,
                                 timeout=sf.timeouts.verify, image_digest=m.image_digest,
                                 smolfile_digest=m.smolfile_digest)
 
@@ -887,8 +904,9 @@ class Controller:
                 budget = min(cmd.timeout, sf.timeouts.task) if cmd.timeout is not None else sf.timeouts.task
                 try:
                     async with self._agent(m) as client:
-                        steps.append(await guestops.run_step(client, "task", cmd.argv, env=sf.environ, cwd=cmd.cwd,
-                                                             user=cmd.user, timeout=budget))
+                        steps.append(await guestops.run_step(client, "task", cmd.argv, env=m.environ,
+                                                             cwd=m.cwd_for(cmd.cwd), user=m.user_for(cmd.user),
+                                                             timeout=budget))
                 except GuestUnavailableError as e:
                     steps.append(StepResult("task", False, Evidence(detail=str(e))))
             try:

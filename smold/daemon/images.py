@@ -1,8 +1,9 @@
-"""Guest images by name: "default" is the built default guest, resolved lazily; digests are cached by file identity."""
+"""Guest images by name: "default", --image files, or an OCI image (registry ref, local layout/archive) from the cache."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import json
@@ -10,6 +11,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import ImageNotFoundError
 
@@ -25,6 +27,10 @@ class Image:
     initramfs: Path
     rootfs: Path
     digest: str = ""  # "sha256:<hex>", over the three files' SHA-256 digests
+    # Exec defaults from an OCI image's config (Env, WorkingDir, User); empty for the default image.
+    env: tuple[tuple[str, str], ...] = ()
+    working_dir: str = ""
+    user: str = ""
 
 
 def _default_artifacts() -> tuple[Path, Path, Path]:
@@ -55,28 +61,74 @@ def _fixed(paths: tuple[Path, Path, Path]) -> tuple[Path, Path, Path]:
 class ImageStore:
     """Resolves image names at create time (a kernel rebuild may replace the cache's entries meanwhile)."""
 
-    def __init__(self, sources: dict[str, Callable[[], tuple[Path, Path, Path]]] | None = None) -> None:
+    def __init__(self, sources: dict[str, Callable[[], tuple[Path, Path, Path]]] | None = None, *,
+                 oci_root: Path | None = None, boot_files: Callable[[], tuple[Path, Path, Path]] | None = None) -> None:
         self._sources = sources if sources is not None else {DEFAULT_IMAGE: _default_artifacts}
         self._file_digests: dict[tuple[str, int, int, int], str] = {}
+        self._oci_root = oci_root
+        # kernel + initramfs for OCI images (their rootfs comes from the OCI cache): the default image's
+        self._boot_files = boot_files or self._sources.get(DEFAULT_IMAGE, _default_artifacts)
 
     @classmethod
-    def with_files(cls, images: dict[str, tuple[Path, Path, Path]]) -> ImageStore:
+    def with_files(cls, images: dict[str, tuple[Path, Path, Path]], *, oci_root: Path | None = None) -> ImageStore:
         """The default image plus (or overridden by) images given as files."""
         sources: dict[str, Callable[[], tuple[Path, Path, Path]]] = {DEFAULT_IMAGE: _default_artifacts}
         for name, paths in images.items():
             sources[name] = functools.partial(_fixed, paths)
-        return cls(sources)
+        return cls(sources, oci_root=oci_root)
+
+    def oci_store(self) -> Any:
+        from smold.oci.images import default_store
+        from smold.oci.store import OciStore
+
+        return OciStore(self._oci_root) if self._oci_root is not None else default_store()
 
     @property
     def names(self) -> list[str]:
         return sorted(self._sources)
 
-    async def resolve(self, name: str) -> Image:
-        """The image's files and digest; ImageNotFoundError for an unknown or unbuilt image."""
+    async def resolve(self, name: str, base_dir: str | None = None) -> Image:
+        """The image's files and digest; ImageNotFoundError for an unknown or unbuilt image.
+
+        Any other name with a '/', ':' or '@' is an OCI image: a registry reference (pulled once, then
+        served from the cache) or a local OCI layout/archive path (relative to ``base_dir``).
+        """
         source = self._sources.get(name)
         if source is None:
-            raise ImageNotFoundError(f"unknown image '{name}' (this daemon has: {', '.join(self.names)})")
+            # A bare word is a configured name (so a typo never becomes a Docker Hub pull); an OCI
+            # image is written with a tag, digest, registry or path: "debian:bookworm", "./img".
+            if any(c in name for c in "/:@"):
+                return await self._resolve_oci(name, base_dir)
+            raise ImageNotFoundError(f"unknown image '{name}' (this daemon has: {', '.join(self.names)}); "
+                                     f"for a registry image give a tag, e.g. '{name}:latest'")
         kernel, initramfs, rootfs = await asyncio.to_thread(source)
+        return await self._image(name, kernel, initramfs, rootfs)
+
+    async def _resolve_oci(self, name: str, base_dir: str | None) -> Image:
+        from smold.oci import images as oci
+        from smold.oci.errors import OciError
+
+        store = await asyncio.to_thread(self.oci_store)
+        base = Path(base_dir) if base_dir else None
+        for _attempt in range(2):
+            try:
+                r = await asyncio.to_thread(oci.resolve, store, name, base)
+            except OciError as e:
+                raise ImageNotFoundError(f"image '{name}': {e}") from None
+            kernel, initramfs, _ = await asyncio.to_thread(self._boot_files)
+            try:
+                actual = await asyncio.to_thread(self._file_digest, r.rootfs)
+            except OSError as e:
+                raise ImageNotFoundError(f"image '{name}': cannot read its root disk: {e.strerror}") from None
+            if r.rootfs_digest == f"sha256:{actual}":
+                user = r.config.user.split(":", 1)[0]
+                img = await self._image(name, kernel, initramfs, r.rootfs)
+                return dataclasses.replace(img, env=r.config.env, working_dir=r.config.working_dir, user=user)
+            # The cached disk changed since it was built: never boot it; rebuild once from the blobs.
+            await asyncio.to_thread(store.remove_image, r.manifest)
+        raise ImageNotFoundError(f"image '{name}': its cached root disk is corrupt even after a rebuild")
+
+    async def _image(self, name: str, kernel: Path, initramfs: Path, rootfs: Path) -> Image:
         digests = {}
         for kind, path in (("kernel", kernel), ("initramfs", initramfs), ("rootfs", rootfs)):
             try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import uuid
 from pathlib import Path
 
 from smold.images import proc, rootfs
@@ -58,17 +60,25 @@ def unpack_into(store: OciStore, manifest: Manifest, tree: Path) -> dict[str, ob
     return {"config": config.to_json(), "files": files, "whiteouts": whiteouts, "skipped_devices": skipped}
 
 
-def mkfs_ext4(tree: Path, image: Path, log: Path) -> None:
-    """``mkfs.ext4 -d`` (no loop mount), sized to the tree plus headroom; e2fsck-checked."""
+def mkfs_ext4(tree: Path, image: Path, log: Path, seed: str = "") -> None:
+    """``mkfs.ext4 -d`` (no loop mount), sized to the tree plus headroom; e2fsck-checked.
+
+    The UUID and directory hash seed derive from ``seed`` (the manifest digest), not randomness.
+    """
     data, inodes = rootfs.tree_size(tree)
     size = rootfs.image_size(data, inodes)
     with open(image, "wb") as fh:
         fh.truncate(size)
     env = {"LC_ALL": "C", "E2FSPROGS_FAKE_TIME": str(rootfs.SOURCE_DATE_EPOCH)}
     proc.run(["mkfs.ext4", "-F", "-q", "-L", LABEL, "-b", "4096", "-I", "256", "-N", str(inodes * 2 + 4096),
-              "-m", "0", "-O", "^has_journal", "-E", "root_owner=0:0,lazy_itable_init=0",
+              "-m", "0", "-O", "^has_journal", "-U", _uuid(seed, "fs"),
+              "-E", f"root_owner=0:0,lazy_itable_init=0,hash_seed={_uuid(seed, 'hash')}",
               "-d", str(tree), str(image)], env=env, log=log)
     proc.run(["e2fsck", "-f", "-n", str(image)], env=env, log=log)
+
+
+def _uuid(seed: str, what: str) -> str:
+    return str(uuid.UUID(hashlib.sha256(f"{what}:{seed}".encode()).hexdigest()[:32], version=4))
 
 
 def build_image(store: OciStore, digest: str, *, version: str, inject: bool = True) -> CachedImage:
@@ -83,7 +93,7 @@ def build_image(store: OciStore, digest: str, *, version: str, inject: bool = Tr
         if inject:
             from .runtime import inject_runtime
             meta["runtime"] = inject_runtime(tree)
-        mkfs_ext4(tree, out / IMAGE_FILE, work / "mkfs.log")
+        mkfs_ext4(tree, out / IMAGE_FILE, work / "mkfs.log", digest)
         return meta
 
     return store.publish_image(digest, version, build)

@@ -13,6 +13,21 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
+from oci_support import (
+    D,
+    Entry,
+    F,
+    H,
+    L,
+    layer_tar,
+    sha,
+    write_docker_save,
+    write_layout,
+    write_oci_archive,
+)
+from oci_support import (
+    build_image as build_blobs,
+)
 
 from smold.oci import images as oci_images
 from smold.oci.build import build_image
@@ -32,21 +47,6 @@ from smold.oci.registry import parse_challenge
 from smold.oci.source import import_archive, import_layout_dir
 from smold.oci.store import OciStore
 from smold.oci.unpack import apply_layer
-from tests.unit.oci_support import (
-    D,
-    Entry,
-    F,
-    H,
-    L,
-    layer_tar,
-    sha,
-    write_docker_save,
-    write_layout,
-    write_oci_archive,
-)
-from tests.unit.oci_support import (
-    build_image as build_blobs,
-)
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="unpacking ownership needs root")
 

@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from oci_support import D, F, build_image, sha, write_layout
 
 from smold.oci import images as oci_images
 from smold.oci.errors import DigestError, RegistryError
@@ -24,7 +25,6 @@ from smold.oci.manifest import OCI_INDEX
 from smold.oci.reference import parse_reference
 from smold.oci.registry import RegistryClient
 from smold.oci.store import OciStore
-from tests.unit.oci_support import D, F, build_image, sha, write_layout
 
 REPO = Path(__file__).resolve().parents[2]
 needs_tools = pytest.mark.skipif(shutil.which("docker-registry") is None or shutil.which("skopeo") is None,

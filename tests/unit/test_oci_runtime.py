@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from oci_support import D, Entry, F, L, build_image, write_layout
 
 from smold.agent import connect_unix
 from smold.oci import runtime
 from smold.oci.build import load_manifest, unpack_into
 from smold.oci.source import import_layout_dir
 from smold.oci.store import OciStore
-from tests.unit.oci_support import D, Entry, F, L, build_image, write_layout
 
 REPO = Path(__file__).resolve().parents[2]
 BUSYBOX = Path("/bin/busybox")

@@ -1,0 +1,94 @@
+"""The daemon resolving OCI images: Smolfile ``image = "./layout"`` through the cache, exec defaults from the
+image config, corrupt cached disks never booted (host-agent launcher: no KVM)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+from daemon_support import fake_image_files, start_daemon_task
+from oci_support import D, F, build_image, write_layout
+
+from smold.api.v1 import smol_pb2 as pb
+from smold.api.v1 import smol_pb2_grpc as pb_grpc
+from smold.daemon import DaemonConfig
+from smold.daemon.errors import ImageNotFoundError
+from smold.daemon.images import ImageStore
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(os.geteuid() != 0, reason="root disks keep ownership")]
+
+
+@pytest.fixture
+def workdir() -> AsyncIterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="smo-", dir="/tmp"))  # short: AF_UNIX paths
+    yield d  # type: ignore[misc]
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _layout(workdir: Path) -> Path:
+    wd = workdir / "g" / "app"
+    wd.mkdir(parents=True)
+    built = build_image([[D("etc"), F("etc/hello", "hi")]],
+                        config={"Env": ["GREETING=from-image", "SHADOWED=image"], "WorkingDir": str(wd)})
+    return write_layout(built, workdir / "img")
+
+
+def _store(workdir: Path) -> ImageStore:
+    files = fake_image_files(workdir)
+    return ImageStore({"default": lambda: files}, oci_root=workdir / "oci")
+
+
+async def test_store_resolves_local_layout_with_exec_defaults(workdir: Path) -> None:
+    _layout(workdir)
+    store = _store(workdir)
+    img = await store.resolve("./img", str(workdir))
+    assert img.name == "./img" and img.kernel.name == "vmlinux" and img.rootfs.name == "rootfs.ext4"
+    assert dict(img.env)["GREETING"] == "from-image" and img.working_dir == str(workdir / "g/app")
+    assert img.digest == (await store.resolve(str(workdir / "img"))).digest
+    # A cached disk altered after it was built is never used: it is rebuilt from the verified blobs.
+    with open(img.rootfs, "r+b") as fh:
+        fh.seek(2048)
+        fh.write(b"tampered")
+    again = await store.resolve("./img", str(workdir))
+    with open(again.rootfs, "rb") as fh:
+        fh.seek(2048)
+        assert fh.read(8) != b"tampered"
+    meta = json.loads((again.rootfs.parent / "image.json").read_text())
+    assert meta["rootfs_digest"] == "sha256:" + hashlib.sha256(again.rootfs.read_bytes()).hexdigest()
+    with pytest.raises(ImageNotFoundError, match="does not exist"):
+        await store.resolve("./missing", str(workdir))
+    with pytest.raises(ImageNotFoundError, match="unknown image 'nosuch'.*nosuch:latest"):
+        await store.resolve("nosuch")
+
+
+async def test_daemon_exec_uses_image_env_and_workdir(workdir: Path) -> None:
+    _layout(workdir)
+    config = DaemonConfig(socket_path=workdir / "smold.sock", state_dir=workdir / "state", max_machines=2,
+                          max_memory_mib=4096)
+    daemon, task = await start_daemon_task(replace(config), _store(workdir))
+    try:
+        async with grpc.aio.insecure_channel(f"unix:{workdir / 'smold.sock'}") as channel:
+            stub = pb_grpc.SmolStub(channel)
+            text = 'image = "./img"\nmemory = 256\ncpus = 1\n[env]\nSHADOWED = "smolfile"\n'
+            sf = pb.Smolfile(toml=pb.SmolfileToml(text=text, base_dir=str(workdir), filename="Smolfile"))
+            m = (await stub.CreateMachine(pb.CreateMachineRequest(smolfile=sf))).machine
+            assert m.image == "./img"
+            out = b""
+            async for msg in stub.Exec(pb.ExecRequest(machine_id=m.id, argv=[
+                    "sh", "-c", 'echo "$GREETING $SHADOWED"; pwd'])):
+                if msg.WhichOneof("event") == "stdout":
+                    out += msg.stdout
+            assert out.decode().split("\n")[:2] == ["from-image smolfile", str(workdir / "g/app")]
+            await stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))
+    finally:
+        daemon.stop()
+        await asyncio.wait_for(task, 30)
