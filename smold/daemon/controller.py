@@ -684,6 +684,20 @@ class Controller:
                                 timeout=sf.timeouts.verify, image_digest=m.image_digest,
                                 smolfile_digest=m.smolfile_digest)
 
+    # --- OCI images ---------------------------------------------------------------------------------------------
+    async def pull_image(self, ref: str) -> Any:
+        return await self.images.pull(ref)
+
+    async def list_images(self) -> list[Any]:
+        return await self.images.list_images()
+
+    async def remove_image(self, name: str) -> list[str]:
+        return await self.images.remove_image(name)
+
+    async def prune_images(self) -> tuple[list[str], int]:
+        """Garbage-collect the image cache; images of machines that exist are kept."""
+        return await self.images.prune_images({m.image for m in self._machines.values()})
+
     # --- destroy ----------------------------------------------------------------------------------------------
     async def destroy(self, ref: str) -> None:
         """Stop the machine and remove its process, sockets and files; idempotent for destroyed ids."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ImageNotFoundError
+from .errors import ImageNotFoundError, ImagePullError, InvalidRequestError
 
 DEFAULT_IMAGE = "default"
 
@@ -66,6 +66,7 @@ class ImageStore:
         self._sources = sources if sources is not None else {DEFAULT_IMAGE: _default_artifacts}
         self._file_digests: dict[tuple[str, int, int, int], str] = {}
         self._oci_root = oci_root
+        self._oci_manifests: dict[str, str] = {}  # OCI image name -> manifest digest it resolved to
         # kernel + initramfs for OCI images (their rootfs comes from the OCI cache): the default image's
         self._boot_files = boot_files or self._sources.get(DEFAULT_IMAGE, _default_artifacts)
 
@@ -121,12 +122,59 @@ class ImageStore:
             except OSError as e:
                 raise ImageNotFoundError(f"image '{name}': cannot read its root disk: {e.strerror}") from None
             if r.rootfs_digest == f"sha256:{actual}":
+                self._oci_manifests[name] = r.manifest
                 user = r.config.user.split(":", 1)[0]
                 img = await self._image(name, kernel, initramfs, r.rootfs)
                 return dataclasses.replace(img, env=r.config.env, working_dir=r.config.working_dir, user=user)
             # The cached disk changed since it was built: never boot it; rebuild once from the blobs.
             await asyncio.to_thread(store.remove_image, r.manifest)
         raise ImageNotFoundError(f"image '{name}': its cached root disk is corrupt even after a rebuild")
+
+    # -- the OCI cache (PullImage, ListImages, RemoveImage, PruneImages) --------------------------------------
+    async def pull(self, ref: str) -> Any:
+        """Pull a registry image (a tag is re-resolved) or import an absolute local path; its cache entry."""
+        from smold.oci import images as oci
+        from smold.oci.errors import BadReferenceError, OciError
+
+        if oci.is_local(ref) and not (ref.startswith("/") or ref.partition(":")[2].startswith("/")):
+            raise InvalidRequestError(f"ref: a local image path must be absolute (got {ref!r})")
+        store = await asyncio.to_thread(self.oci_store)
+        try:
+            if oci.is_local(ref):
+                r = await asyncio.to_thread(oci.import_local, store, ref)
+            else:
+                r = await asyncio.to_thread(oci.pull, store, ref)
+        except BadReferenceError as e:
+            raise InvalidRequestError(f"ref: {e}") from None
+        except OciError as e:
+            raise ImagePullError(f"image '{ref}': {e}") from None
+        entries = await asyncio.to_thread(oci.list_images, store)
+        return next(e for e in entries if e.manifest == r.manifest)
+
+    async def list_images(self) -> list[Any]:
+        from smold.oci import images as oci
+
+        store = await asyncio.to_thread(self.oci_store)
+        return await asyncio.to_thread(oci.list_images, store)
+
+    async def remove_image(self, name: str) -> list[str]:
+        from smold.oci import images as oci
+        from smold.oci.errors import OciError
+
+        store = await asyncio.to_thread(self.oci_store)
+        try:
+            return await asyncio.to_thread(oci.remove, store, name)
+        except OciError as e:
+            raise ImageNotFoundError(str(e)) from None
+
+    async def prune_images(self, in_use: set[str]) -> tuple[list[str], int]:
+        """Delete unnamed images and unreferenced blobs, keeping those of ``in_use`` image names."""
+        from smold.oci.build import referenced_blobs
+
+        store = await asyncio.to_thread(self.oci_store)
+        keep = {str(r.get("manifest")) for r in await asyncio.to_thread(store.refs)}
+        keep |= {self._oci_manifests[n] for n in in_use if n in self._oci_manifests}
+        return await asyncio.to_thread(store.prune, keep, lambda m: referenced_blobs(store, m))
 
     async def _image(self, name: str, kernel: Path, initramfs: Path, rootfs: Path) -> Image:
         digests = {}

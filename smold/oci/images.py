@@ -159,9 +159,13 @@ def list_images(store: OciStore) -> list[ImageEntry]:
 def remove(store: OciStore, name: str) -> list[str]:
     """Drop a name (or every name of a manifest digest); the image itself goes at the next prune."""
     removed = []
+    wanted = {name}
+    if is_local(name) and not name.startswith(LOCAL_PREFIXES):
+        wanted |= {f"oci:{name}", f"oci-archive:{name}"}  # a bare path names its import
+    elif (canonical := _canonical(name)) is not None:
+        wanted.add(canonical)
     for r in store.refs():
-        if r.get("ref") == name or r.get("manifest") == name or (
-                not is_local(name) and _canonical(name) == r.get("ref")):
+        if r.get("ref") in wanted or r.get("manifest") == name:
             if store.remove_ref(str(r["ref"])):
                 removed.append(str(r["ref"]))
     if not removed:

@@ -92,3 +92,44 @@ async def test_daemon_exec_uses_image_env_and_workdir(workdir: Path) -> None:
     finally:
         daemon.stop()
         await asyncio.wait_for(task, 30)
+
+
+def test_smolctl_image_pull_ls_rm_prune(workdir: Path) -> None:
+    from daemon_support import DaemonProcess
+
+    layout = _layout(workdir)
+    other = write_layout(build_image([[F("other", "o")]]), workdir / "other")
+    d = DaemonProcess(workdir).start()
+    try:
+        pulled = d.smolctl("image", "pull", "./img", cwd=workdir)
+        assert pulled.returncode == 0, pulled.stderr
+        assert f"oci:{layout}" in pulled.stdout.decode()
+        assert d.smolctl("image", "pull", str(other)).returncode == 0
+        table = d.smolctl("image", "ls").stdout.decode().splitlines()
+        assert table[0].split() == ["MANIFEST", "SIZE", "NAMES"] and len(table) == 3
+        listed = json.loads(d.smolctl("image", "ls", "--json").stdout)
+        assert sorted(n for i in listed for n in i["names"]) == sorted([f"oci:{layout}", f"oci:{other}"])
+        # A machine using the image keeps it through rm + prune; the unnamed other image goes.
+        sf = workdir / "sf"
+        sf.mkdir()
+        (sf / "Smolfile.toml").write_text(f'image = "{layout}"\nmemory = 256\ncpus = 1\n')
+        created = d.smolctl("create", str(sf))
+        assert created.returncode == 0, created.stderr
+        mid = created.stdout.decode().strip()
+        in_use = [i for i in listed if f"oci:{layout}" in i["names"]][0]["manifest_digest"]
+        assert d.smolctl("image", "rm", str(layout)).stdout.decode() == f"removed oci:{layout}\n"
+        assert d.smolctl("image", "rm", f"oci:{other}").stdout.decode() == f"removed oci:{other}\n"
+        pruned = d.smolctl("image", "prune")
+        assert pruned.returncode == 0 and "freed" in pruned.stdout.decode()
+        left = json.loads(d.smolctl("image", "ls", "--json").stdout)
+        assert [i["manifest_digest"] for i in left] == [in_use]  # unnamed, but a machine uses it
+        assert "names" not in left[0]
+        assert d.smolctl("rm", mid).returncode == 0
+        assert d.smolctl("image", "prune").returncode == 0
+        assert json.loads(d.smolctl("image", "ls", "--json").stdout) == []
+        missing = d.smolctl("image", "rm", "nothing:here")
+        assert missing.returncode != 0 and b"no cached image" in missing.stderr
+        bad = d.smolctl("image", "pull", "127.0.0.1:1/nothing:v1")
+        assert bad.returncode != 0 and b"127.0.0.1:1" in bad.stderr
+    finally:
+        d.terminate()
