@@ -695,8 +695,18 @@ class Controller:
         return await self.images.remove_image(name)
 
     async def prune_images(self) -> tuple[list[str], int]:
-        """Garbage-collect the image cache; images of machines that exist are kept."""
-        return await self.images.prune_images({m.image for m in self._machines.values()})
+        """Garbage-collect the image cache; images of existing machines and of checkpoints are kept."""
+        return await self.images.prune_images({m.image for m in self._machines.values()}
+                                              | await asyncio.to_thread(self._checkpoint_images))
+
+    def _checkpoint_images(self) -> set[str]:
+        names = set()
+        if self.config.checkpoints_dir.is_dir():
+            for d in self.config.checkpoints_dir.iterdir():
+                if (d / CHECKPOINT_META).is_file():
+                    with contextlib.suppress(Exception):
+                        names.add(str(_read_meta(d).get("image", "")))
+        return names
 
     # --- destroy ----------------------------------------------------------------------------------------------
     async def destroy(self, ref: str) -> None:
