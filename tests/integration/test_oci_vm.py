@@ -31,9 +31,7 @@ from smold.images.artifacts import default_artifacts  # noqa: E402
 pytestmark = [pytest.mark.kvm, pytest.mark.linux, pytest.mark.timeout(1800),
               pytest.mark.skipif(shutil.which("docker-registry") is None or shutil.which("skopeo") is None,
                                  reason="apt-get install docker-registry skopeo"),
-              pytest.mark.skipif(not Path("/bin/busybox").is_file(), reason="busybox-static")]
-
-BUSYBOX_APPLETS = ("sh", "ls", "cat", "echo", "pwd", "test", "id", "env")
+              pytest.mark.skipif(not Path("/bin/dash").is_file(), reason="dash")]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +45,14 @@ def workdir() -> Iterator[Path]:
 
 def test_pulled_image_without_python_boots_execs_and_verifies(workdir: Path) -> None:
     default_artifacts(build=True)  # kernel + initramfs (the rootfs comes from the image)
-    lower = [D("bin"), F("bin/busybox", Path("/bin/busybox").read_bytes(), mode=0o755),
-             *(L(f"bin/{a}", "busybox") for a in BUSYBOX_APPLETS),
+    # The image's only program is the host's dash with its libc (dynamic, like most images): no python3.
+    # Not static busybox: under PVM its execs segfault now and then (docs/pvm-emulator.md).
+    libc = "lib/x86_64-linux-gnu/libc.so.6"
+    loader = "lib/x86_64-linux-gnu/ld-linux-x86-64.so.2"
+    lower = [D("bin"), F("bin/sh", Path("/bin/dash").read_bytes(), mode=0o755),
+             D("lib"), D("lib/x86_64-linux-gnu"), F(libc, Path("/" + libc).read_bytes(), mode=0o755),
+             F(loader, Path("/" + loader).read_bytes(), mode=0o755),
+             D("lib64"), L("lib64/ld-linux-x86-64.so.2", "/" + loader),
              D("etc"), F("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n"), F("etc/group", "root:x:0:\n"),
              F("etc/removed", "lower layer file\n"), F("etc/kept", "kept\n"),
              D("opaque"), F("opaque/old", "hidden\n"), D("work")]
@@ -82,12 +86,12 @@ run = "test ! -e /etc/removed"
             assert created.returncode == 0, (created.stderr.decode(), daemon.log.read_text()[-4000:])
             mid = created.stdout.decode().strip()
             r = daemon.smolctl("exec", mid, "--", "sh", "-c",
-                               'echo "$GREETING"; pwd; ls /etc; ls /opaque; test -e /usr/bin/python3 || echo no-python')
+                               'echo "$GREETING"; pwd; echo /etc/*; echo /opaque/*; test -e /usr/bin/python3 || echo no-python')
             assert r.returncode == 0, r.stderr
             lines = r.stdout.decode().split()
             assert lines[:2] == ["from-image", "/work"]
-            assert "kept" in lines and "removed" not in lines
-            assert "new" in lines and "old" not in lines
+            assert "/etc/kept" in lines and "/etc/removed" not in lines
+            assert "/opaque/new" in lines and "/opaque/old" not in lines
             assert lines[-1] == "no-python"
             v = daemon.smolctl("verify", "--json", mid)
             assert v.returncode == 0, v.stdout.decode() + v.stderr.decode()
