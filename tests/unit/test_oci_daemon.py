@@ -133,3 +133,24 @@ def test_smolctl_image_pull_ls_rm_prune(workdir: Path) -> None:
         assert bad.returncode != 0 and b"127.0.0.1:1" in bad.stderr
     finally:
         d.terminate()
+
+
+async def test_prune_keeps_images_named_by_checkpoints(workdir: Path) -> None:
+    from daemon_support import HostAgentLauncher
+
+    from smold.daemon import Controller
+
+    _layout(workdir)
+    store = _store(workdir)
+    config = DaemonConfig(socket_path=workdir / "smold.sock", state_dir=workdir / "state")
+    controller = Controller(config, HostAgentLauncher(), store)
+    img = await store.resolve("./img", str(workdir))
+    await controller.remove_image(str(workdir / "img"))  # no name left: only the checkpoint below keeps it
+    cp = config.checkpoints_dir / "cp1"
+    cp.mkdir(parents=True)
+    (cp / "checkpoint.json").write_text(json.dumps({"image": "./img", "machine_id": "m-1"}))
+    removed, _ = await controller.prune_images()
+    assert img.rootfs.is_file() and removed == []
+    shutil.rmtree(cp)
+    removed, freed = await controller.prune_images()
+    assert not img.rootfs.exists() and freed > 0 and removed
