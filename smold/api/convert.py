@@ -9,7 +9,7 @@ touch the file system (mount sources are checked by smold.smolfile.check_mount_s
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import Any
 
 from smold.agent import ExecEvent, ExecExit, ExecStderr, ExecStdout
@@ -90,6 +90,13 @@ def checkpoint_to_proto(c: CheckpointInfo) -> pb.Checkpoint:
     msg = pb.Checkpoint(name=c.name, path=c.path, size_bytes=c.size_bytes, machine_id=c.machine_id,
                         machine_ids=list(c.machine_ids))
     msg.created_at.FromDatetime(c.created_at)
+    return msg
+
+
+def image_to_proto(e: Any) -> pb.Image:
+    """A smold.oci.images.ImageEntry (names, manifest, size, created epoch seconds) as a proto Image."""
+    msg = pb.Image(names=list(e.names), manifest_digest=e.manifest, size_bytes=e.size)
+    msg.created_at.FromDatetime(datetime.fromtimestamp(e.created, UTC))
     return msg
 
 

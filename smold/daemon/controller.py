@@ -133,6 +133,21 @@ class Machine:
     checkpoint: Path | None = None   # the snapshot directory it was restored from (None: booted)
     boot_note: str = ""              # said in the boot step: the bake restored, or why one was refused
     snapshot_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one snapshot of its VM at a time
+    # Exec defaults from an OCI image's config (Env, WorkingDir, User); the Smolfile and requests win.
+    image_env: tuple[tuple[str, str], ...] = ()
+    image_cwd: str = ""
+    image_user: str = ""
+
+    @property
+    def environ(self) -> dict[str, str]:
+        """The environment every command gets: the image's Env, overridden by the Smolfile's env."""
+        return {**dict(self.image_env), **self.smolfile.environ}
+
+    def cwd_for(self, cwd: str | None) -> str | None:
+        return cwd or self.image_cwd or None
+
+    def user_for(self, user: str | None) -> str | None:
+        return user or self.image_user or None
 
     @property
     def cpus(self) -> int:
@@ -391,7 +406,7 @@ class Controller:
             await asyncio.to_thread(check_mount_sources, smolfile, filename=filename)
             await asyncio.to_thread(check_mount_roots, smolfile, self.config.mount_roots, filename)
         self._admit(smolfile, name)  # fail fast before resolving the image (which may hash files)
-        image = await self.images.resolve(smolfile.image)
+        image = await self.images.resolve(smolfile.image, smolfile.base_dir)
         note = ""
         if restore is None and use_bake:
             restore, note = await self._find_bake(smolfile, image)
@@ -400,7 +415,9 @@ class Controller:
         m = Machine(
             id=mid, name=name, smolfile=smolfile, image=image.name, image_digest=image_digest or image.digest,
             smolfile_digest=digest(smolfile), state_dir=self.config.machines_dir / mid,
-            created_at=datetime.now(UTC), launcher=self.launcher.kind, checkpoint=restore, boot_note=note)
+            created_at=datetime.now(UTC), launcher=self.launcher.kind, checkpoint=restore, boot_note=note,
+            image_env=getattr(image, "env", ()), image_cwd=getattr(image, "working_dir", ""),
+            image_user=getattr(image, "user", ""))
         self._machines[mid] = m
         m.create_task = asyncio.current_task()
         try:
@@ -491,8 +508,8 @@ class Controller:
             for i, cmd in enumerate(sf.setup):
                 left = deadline - time.monotonic()
                 budget = min(cmd.timeout, left) if cmd.timeout is not None else left
-                step = await guestops.run_step(client, f"setup[{i}]", cmd.argv, env=sf.environ, cwd=cmd.cwd,
-                                               user=cmd.user, timeout=budget)
+                step = await guestops.run_step(client, f"setup[{i}]", cmd.argv, env=m.environ,
+                                               cwd=m.cwd_for(cmd.cwd), user=m.user_for(cmd.user), timeout=budget)
                 steps.append(step)
                 if not step.ok:
                     raise StepFailedError(step)
@@ -642,9 +659,9 @@ class Controller:
         if timeout is not None and not 0 < timeout <= 86400:
             raise InvalidRequestError(f"timeout_seconds: must be more than 0 and at most 86400 (got {timeout})")
         m = self._running(ref)
-        merged = {**m.smolfile.environ, **(env or {})}
+        merged = {**m.environ, **(env or {})}
         async with self._agent(m) as client:
-            stream = client.exec(list(argv), env=merged or None, cwd=cwd or None, user=user or None,
+            stream = client.exec(list(argv), env=merged or None, cwd=m.cwd_for(cwd), user=m.user_for(user),
                                  stdin=stdin or None, timeout=timeout)
             try:
                 try:
@@ -707,9 +724,33 @@ class Controller:
     async def _verify(self, m: Machine, checks: Sequence[Check] | None = None) -> VerifyResult:
         sf = m.smolfile
         async with self._agent(m) as client:
-            return await verify(client, sf.checks if checks is None else checks, env=sf.environ or None,
+            return await verify(client, sf.checks if checks is None else checks, env=m.environ or None,
                                 timeout=sf.timeouts.verify, image_digest=m.image_digest,
                                 smolfile_digest=m.smolfile_digest)
+
+    # --- OCI images ---------------------------------------------------------------------------------------------
+    async def pull_image(self, ref: str) -> Any:
+        return await self.images.pull(ref)
+
+    async def list_images(self) -> list[Any]:
+        return await self.images.list_images()
+
+    async def remove_image(self, name: str) -> list[str]:
+        return await self.images.remove_image(name)
+
+    async def prune_images(self) -> tuple[list[str], int]:
+        """Garbage-collect the image cache; images of existing machines and of checkpoints are kept."""
+        return await self.images.prune_images({m.image for m in self._machines.values()}
+                                              | await asyncio.to_thread(self._checkpoint_images))
+
+    def _checkpoint_images(self) -> set[str]:
+        names = set()
+        if self.config.checkpoints_dir.is_dir():
+            for d in self.config.checkpoints_dir.iterdir():
+                if (d / CHECKPOINT_META).is_file():
+                    with contextlib.suppress(Exception):
+                        names.add(str(_read_meta(d).get("image", "")))
+        return names
 
     # --- destroy ----------------------------------------------------------------------------------------------
     async def destroy(self, ref: str) -> None:
@@ -941,7 +982,7 @@ class Controller:
         start = time.monotonic()
         await asyncio.to_thread(check_mount_sources, smolfile, filename=filename)
         self._admit(smolfile, "")
-        image = await self.images.resolve(smolfile.image)
+        image = await self.images.resolve(smolfile.image, smolfile.base_dir)
         key, mounts = await self._bake_key(smolfile, image)
         final = self.bakes.path(key)
         if key in self._baking:
@@ -1090,8 +1131,9 @@ class Controller:
                 budget = min(cmd.timeout, sf.timeouts.task) if cmd.timeout is not None else sf.timeouts.task
                 try:
                     async with self._agent(m) as client:
-                        steps.append(await guestops.run_step(client, "task", cmd.argv, env=sf.environ, cwd=cmd.cwd,
-                                                             user=cmd.user, timeout=budget))
+                        steps.append(await guestops.run_step(client, "task", cmd.argv, env=m.environ,
+                                                             cwd=m.cwd_for(cmd.cwd), user=m.user_for(cmd.user),
+                                                             timeout=budget))
                 except GuestUnavailableError as e:
                     steps.append(StepResult("task", False, Evidence(detail=str(e))))
             try:

@@ -63,6 +63,12 @@ class ImageNotFoundError(DaemonError):
     status = Status.NOT_FOUND
 
 
+class ImagePullError(DaemonError):
+    """An OCI image could not be pulled or imported (registry unreachable or refusing, bad content)."""
+
+    status = Status.UNAVAILABLE
+
+
 class NameTakenError(DaemonError):
     """Another live machine already has the requested name."""
 

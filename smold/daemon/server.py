@@ -67,7 +67,7 @@ class Daemon:
         config.validate()
         self.config = config
         if images is None:
-            images = ImageStore.with_files(dict(config.images))
+            images = ImageStore.with_files(dict(config.images), oci_root=config.state_dir / "oci")
         self.tcp: TcpListener | None = load_tcp_listener(config)  # refuses bad TLS/token files before anything
         self.controller = Controller(config, launcher or load_launcher(
             config.launcher, config.vmm_seccomp,

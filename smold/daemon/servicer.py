@@ -177,3 +177,28 @@ class SmolServicer(pb_grpc.SmolServicer):
             await self.controller.delete_bake(request.key)
             return pb.DeleteBakeResponse()
         return await self._call(context, go)
+
+    async def PullImage(self, request: pb.PullImageRequest, context: Any) -> pb.PullImageResponse:
+        async def go() -> pb.PullImageResponse:
+            if not request.ref:
+                raise InvalidRequestError("ref: required")
+            return pb.PullImageResponse(image=convert.image_to_proto(await self.controller.pull_image(request.ref)))
+        return await self._call(context, go)
+
+    async def ListImages(self, request: pb.ListImagesRequest, context: Any) -> pb.ListImagesResponse:
+        async def go() -> pb.ListImagesResponse:
+            return pb.ListImagesResponse(images=[convert.image_to_proto(e) for e in await self.controller.list_images()])
+        return await self._call(context, go)
+
+    async def RemoveImage(self, request: pb.RemoveImageRequest, context: Any) -> pb.RemoveImageResponse:
+        async def go() -> pb.RemoveImageResponse:
+            if not request.name:
+                raise InvalidRequestError("name: required")
+            return pb.RemoveImageResponse(removed=await self.controller.remove_image(request.name))
+        return await self._call(context, go)
+
+    async def PruneImages(self, request: pb.PruneImagesRequest, context: Any) -> pb.PruneImagesResponse:
+        async def go() -> pb.PruneImagesResponse:
+            removed, freed = await self.controller.prune_images()
+            return pb.PruneImagesResponse(removed=removed, freed_bytes=freed)
+        return await self._call(context, go)

@@ -54,7 +54,9 @@ CHECK_KEYS: dict[str, tuple[str, ...]] = {
 }
 LOCAL_HTTP_HOSTS = ("127.0.0.1", "localhost", "::1")
 
-_IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-/:@+]{0,127}")
+# "default", a configured name, a registry reference, or a local OCI layout/archive path
+# ("./img", "../x.tar", "/abs/dir", "oci:DIR[:TAG]", "oci-archive:FILE", "docker-archive:FILE").
+_IMAGE_RE = re.compile(r"(?:[A-Za-z0-9]|\.{1,2}/|/)[A-Za-z0-9._\-/:@+]{0,254}")
 _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MEMORY_RE = re.compile(r"\s*(\d+)\s*([A-Za-z]*)\s*")
 _MEMORY_UNITS = {"m": 1, "mib": 1, "g": 1024, "gib": 1024}

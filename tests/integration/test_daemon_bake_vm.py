@@ -57,7 +57,7 @@ def test_bake_then_two_creates_restore_it(daemon: tuple[pb_grpc.SmolStub, Path],
     t_bake = time.monotonic() - t0
     assert key.startswith("sha256:") and (state / "bakes" / key.removeprefix("sha256:") / "bake.json").is_file()
     assert stub.ListMachines(pb.ListMachinesRequest()).machines == []  # the baking machine is gone
-    listed = json.loads(smolctl(sock, "image", "ls", "--json"))
+    listed = json.loads(smolctl(sock, "image", "bakes", "--json"))
     assert [b["key"] for b in listed] == [key] and not listed[0].get("error")
 
     request = pb.Smolfile(toml=pb.SmolfileToml(text=SMOLFILE_WITH_VERIFIER, base_dir=str(tmp_path)))
@@ -76,12 +76,12 @@ def test_bake_then_two_creates_restore_it(daemon: tuple[pb_grpc.SmolStub, Path],
         ids.append(machine_id)
         assert stub.Verify(pb.VerifyRequest(machine_id=name), timeout=600).result.passed
     assert ids[0] != ids[1]
-    listed = json.loads(smolctl(sock, "image", "ls", "--json"))
+    listed = json.loads(smolctl(sock, "image", "bakes", "--json"))
     assert sorted(listed[0]["machine_ids"]) == sorted(m.id for m in stub.ListMachines(pb.ListMachinesRequest()).machines)
 
     # Deleting the bake does not disturb the machines restored from it.
-    assert smolctl(sock, "image", "rm", key.removeprefix("sha256:")[:12]).strip() == key.removeprefix("sha256:")[:12]
-    assert json.loads(smolctl(sock, "image", "ls", "--json")) == []
+    assert smolctl(sock, "image", "unbake", key.removeprefix("sha256:")[:12]).strip() == key.removeprefix("sha256:")[:12]
+    assert json.loads(smolctl(sock, "image", "bakes", "--json")) == []
     assert sh(stub, "one", "cat /root/baked") == "baked-yes"
     for name in ("one", "two"):
         stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=name), timeout=300)

@@ -71,7 +71,7 @@ def test_service_shape():
     assert set(methods) == {
         "CreateMachine", "GetMachine", "ListMachines", "Exec", "CopyIn", "CopyOut",
         "Verify", "DestroyMachine", "Run", "Fork", "Snapshot", "ListCheckpoints", "DeleteCheckpoint",
-        "BakeImage", "ListBakes", "DeleteBake",
+        "BakeImage", "ListBakes", "DeleteBake", "PullImage", "ListImages", "RemoveImage", "PruneImages",
     }  # fmt: skip
     for name, method in methods.items():
         assert method.input_type.name == f"{name}Request"

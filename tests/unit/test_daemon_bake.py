@@ -406,16 +406,15 @@ async def test_smolctl_image_bake_ls_rm(env: Env) -> None:
     assert key.startswith("sha256:")
     r = await asyncio.to_thread(run_smolctl, env.sock, "image", "bake", str(env.dir))
     assert r.returncode == 2 and b"already exists" in r.stderr
-    for cmd in ("ls", "bakes"):
-        r = await asyncio.to_thread(run_smolctl, env.sock, "image", cmd)
-        lines = r.stdout.decode().splitlines()
-        assert r.returncode == 0 and lines[0].startswith("KEY") and lines[1].split()[:4] == [
-            key[7:19], "default", "1", f"{MEM_MIB}M"], lines
-    r = await asyncio.to_thread(run_smolctl, env.sock, "image", "ls", "--json")
+    r = await asyncio.to_thread(run_smolctl, env.sock, "image", "bakes")
+    lines = r.stdout.decode().splitlines()
+    assert r.returncode == 0 and lines[0].startswith("KEY") and lines[1].split()[:4] == [
+        key[7:19], "default", "1", f"{MEM_MIB}M"], lines
+    r = await asyncio.to_thread(run_smolctl, env.sock, "image", "bakes", "--json")
     assert [b["key"] for b in json.loads(r.stdout)] == [key]
-    r = await asyncio.to_thread(run_smolctl, env.sock, "image", "rm", key[7:15])
+    r = await asyncio.to_thread(run_smolctl, env.sock, "image", "unbake", key[7:15])
     assert r.returncode == 0 and r.stdout.decode().strip() == key[7:15]
-    r = await asyncio.to_thread(run_smolctl, env.sock, "image", "ls", "-q")
+    r = await asyncio.to_thread(run_smolctl, env.sock, "image", "bakes", "-q")
     assert r.returncode == 0 and r.stdout == b""
 
 

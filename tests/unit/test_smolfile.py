@@ -547,3 +547,17 @@ def test_documented_error_messages_are_the_real_ones():
     assert documented is not None
     lines = documented.group(1).splitlines()
     assert [str(error(toml)) for toml in inputs] == lines
+
+
+@pytest.mark.parametrize("image", [
+    "default", "debian:bookworm-slim", "ghcr.io/org/img:1.0", "127.0.0.1:5000/a/b@sha256:" + "a" * 64,
+    "./img", "../images/x.tar", "/abs/layout", "oci:./dir:tag", "oci-archive:/x/y.tar",
+])
+def test_image_accepts_registry_refs_and_local_paths(image: str) -> None:
+    assert parse_smolfile(f'image = "{image}"'.encode(), base_dir=BASE).image == image
+
+
+@pytest.mark.parametrize("image", ["-x", "~/img", "a b", ".hidden", "x" * 256])
+def test_image_rejects_malformed(image: str) -> None:
+    with pytest.raises(SmolfileError):
+        parse_smolfile(f'image = "{image}"'.encode(), base_dir=BASE)

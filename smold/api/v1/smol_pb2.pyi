@@ -575,3 +575,61 @@ class DeleteBakeRequest(_message.Message):
 class DeleteBakeResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class Image(_message.Message):
+    __slots__ = ("names", "manifest_digest", "size_bytes", "created_at")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    manifest_digest: str
+    size_bytes: int
+    created_at: _timestamp_pb2.Timestamp
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., manifest_digest: _Optional[str] = ..., size_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class PullImageRequest(_message.Message):
+    __slots__ = ("ref",)
+    REF_FIELD_NUMBER: _ClassVar[int]
+    ref: str
+    def __init__(self, ref: _Optional[str] = ...) -> None: ...
+
+class PullImageResponse(_message.Message):
+    __slots__ = ("image",)
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    image: Image
+    def __init__(self, image: _Optional[_Union[Image, _Mapping]] = ...) -> None: ...
+
+class ListImagesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListImagesResponse(_message.Message):
+    __slots__ = ("images",)
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
+
+class RemoveImageRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RemoveImageResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, removed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PruneImagesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PruneImagesResponse(_message.Message):
+    __slots__ = ("removed", "freed_bytes")
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    freed_bytes: int
+    def __init__(self, removed: _Optional[_Iterable[str]] = ..., freed_bytes: _Optional[int] = ...) -> None: ...

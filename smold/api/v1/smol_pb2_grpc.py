@@ -115,6 +115,26 @@ class SmolStub:
                 request_serializer=smol_dot_v1_dot_smol__pb2.DeleteBakeRequest.SerializeToString,
                 response_deserializer=smol_dot_v1_dot_smol__pb2.DeleteBakeResponse.FromString,
                 _registered_method=True)
+        self.PullImage = channel.unary_unary(
+                '/smol.v1.Smol/PullImage',
+                request_serializer=smol_dot_v1_dot_smol__pb2.PullImageRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.PullImageResponse.FromString,
+                _registered_method=True)
+        self.ListImages = channel.unary_unary(
+                '/smol.v1.Smol/ListImages',
+                request_serializer=smol_dot_v1_dot_smol__pb2.ListImagesRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.ListImagesResponse.FromString,
+                _registered_method=True)
+        self.RemoveImage = channel.unary_unary(
+                '/smol.v1.Smol/RemoveImage',
+                request_serializer=smol_dot_v1_dot_smol__pb2.RemoveImageRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.RemoveImageResponse.FromString,
+                _registered_method=True)
+        self.PruneImages = channel.unary_unary(
+                '/smol.v1.Smol/PruneImages',
+                request_serializer=smol_dot_v1_dot_smol__pb2.PruneImagesRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.PruneImagesResponse.FromString,
+                _registered_method=True)
 
 
 class SmolServicer:
@@ -231,6 +251,32 @@ class SmolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullImage(self, request, context):
+        """OCI images (docs/images.md): pull a registry image (or import a local OCI layout/archive) into the
+        daemon's cache and build its root disk; list, un-name and garbage-collect cached images.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListImages(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveImage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PruneImages(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SmolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -313,6 +359,26 @@ def add_SmolServicer_to_server(servicer, server):
                     servicer.DeleteBake,
                     request_deserializer=smol_dot_v1_dot_smol__pb2.DeleteBakeRequest.FromString,
                     response_serializer=smol_dot_v1_dot_smol__pb2.DeleteBakeResponse.SerializeToString,
+            ),
+            'PullImage': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullImage,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.PullImageRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.PullImageResponse.SerializeToString,
+            ),
+            'ListImages': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListImages,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.ListImagesRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.ListImagesResponse.SerializeToString,
+            ),
+            'RemoveImage': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveImage,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.RemoveImageRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.RemoveImageResponse.SerializeToString,
+            ),
+            'PruneImages': grpc.unary_unary_rpc_method_handler(
+                    servicer.PruneImages,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.PruneImagesRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.PruneImagesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -748,6 +814,114 @@ class Smol:
             '/smol.v1.Smol/DeleteBake',
             smol_dot_v1_dot_smol__pb2.DeleteBakeRequest.SerializeToString,
             smol_dot_v1_dot_smol__pb2.DeleteBakeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/PullImage',
+            smol_dot_v1_dot_smol__pb2.PullImageRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.PullImageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/ListImages',
+            smol_dot_v1_dot_smol__pb2.ListImagesRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.ListImagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/RemoveImage',
+            smol_dot_v1_dot_smol__pb2.RemoveImageRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.RemoveImageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PruneImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/PruneImages',
+            smol_dot_v1_dot_smol__pb2.PruneImagesRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.PruneImagesResponse.FromString,
             options,
             channel_credentials,
             insecure,
