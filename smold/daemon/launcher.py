@@ -161,14 +161,15 @@ class VmmLauncher(Launcher):
                 "--memory-bytes", str((spec.memory_mib + j.memory_overhead_mib) << 20), "--cpus", str(spec.cpus),
                 "--cgroup-parent", j.cgroup_parent, "--", *argv]
 
-    async def snapshot(self, state_dir: Path, directory: Path, timeout: float = 300.0) -> dict[str, Any]:
+    async def snapshot(self, state_dir: Path, directory: Path, timeout: float = 300.0, *,
+                       digest: bool = False) -> dict[str, Any]:
         if self.jail is None:
-            return await super().snapshot(state_dir, directory, timeout)
+            return await super().snapshot(state_dir, directory, timeout, digest=digest)
         # The jail shows the VMM only its state dir: it writes there, the daemon moves the result into place
         # (same filesystem: both live under the daemon's state directory).
         out = state_dir / SNAPSHOT_OUT
         await asyncio.to_thread(shutil.rmtree, out, True)
-        info = await super().snapshot(state_dir, out, timeout)
+        info = await super().snapshot(state_dir, out, timeout, digest=digest)
         try:
             await asyncio.to_thread(os.rename, out, directory)
         except OSError as e:
