@@ -405,3 +405,10 @@ def test_bad_tap_names(name: str) -> None:
 def test_missing_tap_refused() -> None:
     with pytest.raises(NetBackendError, match="no network interface"):
         open_tap("smolnosuchtap0")
+
+
+def test_rx_kick_with_broken_ring_needs_reset_without_frames(rig: Rig) -> None:
+    rig.rxq.set_avail_idx(0x8000)
+    rig.drv.kick(RX_QUEUE)
+    assert rig.transport.needs_reset
+    assert not rig.backend.wanted

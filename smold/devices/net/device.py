@@ -10,8 +10,8 @@ from smold.devices.net.backend import NetBackend
 from smold.devices.net.persist import NetState, restore_net, save_net
 from smold.devices.net.request import FrameError, parse_tx, rx_room, write_rx
 from smold.devices.virtio.device import VIRTIO_ID_NET, VirtioDevice, VirtioError
-from smold.devices.virtio.queue import ChainError, DescriptorChain, QueueError
-from smold.memory import GuestMemory
+from smold.devices.virtio.queue import ChainError, DescriptorChain, Queue, QueueError
+from smold.memory import GuestMemory, GuestMemoryError
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,7 @@ class Net(VirtioDevice):
         assert self.mem is not None and self.interrupt is not None
         mem = self.mem
         q = self.queues[RX_QUEUE]
+        self._check_ring(q, mem)
         completed = 0
         try:
             while completed < q.size and q.has_available(mem):
@@ -225,6 +226,19 @@ class Net(VirtioDevice):
             if completed:
                 self.interrupt.signal_used(RX_QUEUE)
         self._update_rx_interest()
+
+    @staticmethod
+    def _check_ring(q: Queue, mem: GuestMemory) -> None:
+        """§2.7.13.3: the driver never makes more than the queue size available; catch a ring that claims
+        otherwise when it is kicked, not only once a frame arrives."""
+        try:
+            ahead = (q.avail_idx(mem) - q.next_avail) & 0xFFFF
+        except GuestMemoryError as e:
+            q.broken = True
+            raise QueueError(str(e)) from e
+        if ahead > q.size:
+            q.broken = True
+            raise QueueError(f"available index is {ahead} ahead (queue size {q.size})")
 
     def _rx_ready(self) -> bool:
         return (self.activated and self.mem is not None and self.interrupt is not None
