@@ -83,9 +83,17 @@ def test_guest_addressing(netvm: NetVm) -> None:
     assert "06:00:ac:10:00:02" in out                 # the default --net-mac, from the config space
 
 
-def test_wget_from_host_server(netvm: NetVm) -> None:
-    out = run_ok(netvm.vm, [BB, "wget", "-qO-", f"http://{HOST_ADDR}:{PORT}/"])
-    assert out.encode() == netvm.content
+def fetch(vm: Microvm, url: str) -> bytes:
+    # python3 urllib: the initramfs's static busybox wget died with SIGSEGV in the guest (it works on the
+    # host; a static glibc resolving through the rootfs's NSS modules is the likely cause, not confirmed).
+    r = vm.run(["python3", "-c", "import sys, urllib.request; "
+                f"sys.stdout.buffer.write(urllib.request.urlopen({url!r}, timeout=60).read())"], timeout=300)
+    assert r.exit_code == 0, (url, r.stdout, r.stderr)
+    return r.stdout
+
+
+def test_http_get_from_host_server(netvm: NetVm) -> None:
+    assert fetch(netvm.vm, f"http://{HOST_ADDR}:{PORT}/") == netvm.content
 
 
 def test_python_download_and_upload_intact(netvm: NetVm) -> None:
@@ -127,10 +135,9 @@ def test_restore_reattaches_to_a_new_namespace(netvm: NetVm) -> None:
                       "--state-dir", str(state), "--console-log", str(clone.console_log), "--net-tap", TAP]
         assert clone.start(timeout=180)["restored"] is True
         # Same guest addresses, its own namespace: it reaches B's server, not A's.
-        out = run_ok(clone, [BB, "wget", "-qO-", f"http://{HOST_ADDR}:{PORT}/"])
-        assert out.encode() == content_b
+        assert fetch(clone, f"http://{HOST_ADDR}:{PORT}/") == content_b
         # The original goes on in namespace A.
-        assert run_ok(netvm.vm, [BB, "wget", "-qO-", f"http://{HOST_ADDR}:{PORT}/"]).encode() == netvm.content
+        assert fetch(netvm.vm, f"http://{HOST_ADDR}:{PORT}/") == netvm.content
     finally:
         if clone is not None:
             clone.kill()
