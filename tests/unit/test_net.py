@@ -412,3 +412,51 @@ def test_rx_kick_with_broken_ring_needs_reset_without_frames(rig: Rig) -> None:
     rig.drv.kick(RX_QUEUE)
     assert rig.transport.needs_reset
     assert not rig.backend.wanted
+
+
+def test_tap_backend_readiness_follows_want_rx() -> None:
+    """``want_rx`` adds/removes the loop reader, also when called from another thread (a vCPU)."""
+    import asyncio
+    import os
+    import socket
+    import threading
+
+    from smold.devices.net.backend import TapBackend
+
+    async def go() -> list[str]:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # keeps frame boundaries, like a TAP
+        a.setblocking(False)
+        r, w = a.detach(), b.detach()
+        tap = TapBackend("fake0", fd=r)
+        seen: list[str] = []
+        fired = asyncio.Event()
+
+        def readable() -> None:
+            seen.append("readable")
+            fired.set()
+            tap.want_rx(False)  # like the device once the guest's buffers are used up
+
+        tap.want_rx(True)  # before start: remembered
+        tap.start(asyncio.get_running_loop(), readable)
+        os.write(w, NetHeader().pack() + frame(60))
+        await asyncio.wait_for(fired.wait(), 5)
+        await asyncio.sleep(0.05)
+        assert seen == ["readable"]  # not watching any more although the data is still there
+        assert tap.recv() == frame(60) and tap.recv() is None
+        fired.clear()
+        t = threading.Thread(target=tap.want_rx, args=(True,))
+        t.start()
+        t.join()
+        os.write(w, NetHeader().pack() + frame(61))
+        await asyncio.wait_for(fired.wait(), 5)
+        assert seen == ["readable", "readable"]
+        assert tap.recv() == frame(61)
+        os.write(w, NetHeader(gso_type=4).pack() + frame(62))  # offload metadata we never asked for: skipped
+        os.write(w, b"\x00" * 5)                               # shorter than the header: skipped
+        os.write(w, NetHeader().pack() + frame(63))
+        assert tap.recv() == frame(63) and tap.bad_frames == 2
+        tap.close()
+        os.close(w)
+        return seen
+
+    assert asyncio.run(go()) == ["readable", "readable"]
