@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from smold.devices.block.persist import BlockState
+from smold.devices.net.persist import NetState
 from smold.devices.rng.persist import RngState
 from smold.devices.serial import SerialState
 from smold.devices.virtio.persist import MmioState
@@ -129,7 +130,7 @@ class VirtioSlotState:
 
     slot: int
     mmio: MmioState
-    device: BlockState | VsockState | RngState
+    device: BlockState | VsockState | RngState | NetState
 
 
 @dataclass(frozen=True)

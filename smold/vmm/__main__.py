@@ -22,7 +22,15 @@ from smold.kvm.cpuid import default_vcpus  # noqa: E402
 from smold.snapshot.errors import SnapshotError  # noqa: E402
 from smold.snapshot.state import VmSnapshot  # noqa: E402
 from smold.vmm.control import snapshot_info  # noqa: E402
-from smold.vmm.machine import DEFAULT_CMDLINE, MachineConfig, MachineError, SnapshotResult  # noqa: E402
+from smold.vmm.machine import (  # noqa: E402
+    DEFAULT_CMDLINE,
+    DEFAULT_NET_GATEWAY,
+    DEFAULT_NET_GUEST,
+    MachineConfig,
+    MachineError,
+    NetConfig,
+    SnapshotResult,
+)
 from smold.vmm.runner import AfterSnapshot, ReadyInfo, Runner  # noqa: E402
 
 DEFAULT_MEMORY_MIB = 512
@@ -69,6 +77,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seccomp", choices=("on", "off", "log"), default="off",
                     help="system call filter installed before the vCPUs run: on (kill on a forbidden call), "
                          "log (allow but log), off (default here; the daemon passes on). docs/security.md")
+    net = ap.add_argument_group(
+        "network (docs/networking.md)",
+        "Without --net-tap the guest has no NIC, only lo. With --restore only --net-tap applies: the guest "
+        "keeps the snapshot's MAC and addresses.")
+    net.add_argument("--net-tap", metavar="NAME",
+                     help="attach a virtio-net NIC to this existing TAP interface in the VMM's network "
+                          "namespace (also with --restore: each restored copy gets its own TAP)")
+    net.add_argument("--net-mac", metavar="MAC", help="guest MAC address (default 06:00:ac:10:00:02)")
+    net.add_argument("--net-guest", metavar="CIDR", help=f"guest address/prefix (default {DEFAULT_NET_GUEST})")
+    net.add_argument("--net-gateway", metavar="IP", help=f"default route (default {DEFAULT_NET_GATEWAY})")
+    net.add_argument("--net-dns", metavar="IP", help="nameserver for /etc/resolv.conf (default: the gateway)")
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("command", nargs="*", help="command to run in the guest (after --)")
     return ap
@@ -119,6 +138,17 @@ def _load_snapshot(args: argparse.Namespace) -> VmSnapshot:
     return snap
 
 
+def _net_config(args: argparse.Namespace) -> NetConfig | None:
+    """--net-* flags -> NetConfig; SystemExit if addresses are given without a TAP."""
+    extra = [f for f in ("mac", "guest", "gateway", "dns") if getattr(args, f"net_{f}") is not None]
+    if args.net_tap is None:
+        if extra:
+            raise SystemExit(f"error: --net-{extra[0]} needs --net-tap")
+        return None
+    given = {f: getattr(args, f"net_{f}") for f in extra}
+    return NetConfig(tap=args.net_tap, **given)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
@@ -128,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --snapshot-on-ready must not overwrite the snapshot being restored", file=sys.stderr)
         return 1
     snap = _load_snapshot(args) if args.restore is not None else None
+    net = _net_config(args)
     if snap is None:
         _default_artifacts(args)
     own_dir = args.state_dir is None
@@ -141,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         if snap is not None:
             config = MachineConfig.for_restore(args.restore, state_dir, snap, rootfs=args.rootfs, vsock_cid=args.cid,
                                                hostname=args.hostname, console_log=args.console_log,
-                                               console_stream=console_stream)
+                                               console_stream=console_stream, net_tap=args.net_tap)
         else:
             config = MachineConfig(
                 kernel=args.kernel, initramfs=args.initramfs, rootfs=args.rootfs,
@@ -150,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 state_dir=state_dir, cmdline=args.cmdline, cmdline_extra=args.cmdline_extra,
                 hostname=args.hostname if args.hostname is not None else "smol",
                 vsock_cid=args.cid if args.cid is not None else 3,
-                console_log=args.console_log, console_stream=console_stream)
+                console_log=args.console_log, console_stream=console_stream, net=net)
         config.validate()
     except MachineError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import ipaddress
 import logging
 import os
 import threading
@@ -40,6 +41,9 @@ from smold.devices.bus import Bus
 from smold.devices.cmos import Cmos
 from smold.devices.i8042 import I8042
 from smold.devices.irq import EventFdIrq
+from smold.devices.net.backend import NetBackendError, TapBackend
+from smold.devices.net.device import DEFAULT_MAC, Net, NetError, parse_mac
+from smold.devices.net.persist import NetState
 from smold.devices.rng.device import Rng
 from smold.devices.serial import Serial
 from smold.devices.virtio.device import VirtioDevice
@@ -76,8 +80,51 @@ DEFAULT_CMDLINE = ("console=ttyS0 reboot=k panic=-1 nomodule i8042.noaux i8042.n
                    "random.trust_cpu=on quiet loglevel=4")
 
 
+DEFAULT_NET_GUEST = "172.16.0.2/30"
+DEFAULT_NET_GATEWAY = "172.16.0.1"
+
+
 class MachineError(Exception):
     """A configuration the VMM cannot build, or a failure while building the VM."""
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    """The guest's NIC: a TAP the caller created in the VMM's network namespace, and the addresses the guest's
+    init configures from the kernel command line (``smol.net=<guest cidr>,<gateway>,<dns>``; docs/networking.md).
+    """
+
+    tap: str
+    mac: str = DEFAULT_MAC
+    guest: str = DEFAULT_NET_GUEST
+    gateway: str = DEFAULT_NET_GATEWAY
+    dns: str | None = None    # default: the gateway
+
+    def validate(self) -> None:
+        try:
+            parse_mac(self.mac)
+        except NetError as e:
+            raise MachineError(f"--net-mac: {e}") from None
+        try:
+            guest = ipaddress.IPv4Interface(self.guest)
+            gateway = ipaddress.IPv4Address(self.gateway)
+            ipaddress.IPv4Address(self.dns_address)
+        except ValueError as e:
+            raise MachineError(f"network addresses: {e}") from None
+        if "/" not in self.guest:
+            raise MachineError(f"--net-guest {self.guest}: give the prefix length too (e.g. 172.16.0.2/30)")
+        net = guest.network
+        if net.prefixlen <= 30 and guest.ip in (net.network_address, net.broadcast_address):
+            raise MachineError(f"--net-guest {self.guest} is the network's network or broadcast address")
+        if gateway not in net or gateway == guest.ip:
+            raise MachineError(f"--net-gateway {gateway} must be another address in {net}")
+
+    @property
+    def dns_address(self) -> str:
+        return self.dns if self.dns is not None else self.gateway
+
+    def cmdline_arg(self) -> str:
+        return f"smol.net={self.guest},{self.gateway},{self.dns_address}"
 
 
 @dataclass(frozen=True)
@@ -97,8 +144,11 @@ class MachineConfig:
     console_log: Path | None = None
     console_stream: Callable[[bytes], None] | None = None
     restore_from: Path | None = None   # a snapshot directory: restore it instead of booting
+    net: NetConfig | None = None       # None: no NIC at all (the guest has only lo)
 
     def validate(self) -> None:
+        if self.net is not None:
+            self.net.validate()
         if not 1 <= self.cpus <= 64:
             raise MachineError(f"cpus={self.cpus}: must be between 1 and 64")
         if self.memory_mib < 64:
@@ -117,15 +167,20 @@ class MachineConfig:
     def for_restore(cls, snapshot_dir: Path, state_dir: Path, snap: VmSnapshot, *, rootfs: Path | None = None,
                     vsock_cid: int | None = None, hostname: str | None = None,
                     console_log: Path | None = None,
-                    console_stream: Callable[[bytes], None] | None = None) -> MachineConfig:
-        """The configuration that rebuilds ``snap``'s machine; CID, hostname and disk path may change."""
+                    console_stream: Callable[[bytes], None] | None = None,
+                    net_tap: str | None = None) -> MachineConfig:
+        """The configuration that rebuilds ``snap``'s machine; CID, hostname and disk path may change.
+
+        ``net_tap`` re-attaches the NIC to that TAP (each clone gets its own); the MAC and the guest's
+        addresses are the snapshot's, already configured inside the guest."""
         spec = snap.spec
         disk = rootfs if rootfs is not None else (Path(spec.rootfs.path) if spec.rootfs else None)
         return cls(kernel=None, state_dir=state_dir, rootfs=disk, rootfs_read_only=True, cpus=spec.cpus,
                    memory_mib=spec.memory_mib, cpu_template=spec.cpu_template, cmdline=spec.kernel_cmdline,
                    vsock_cid=spec.vsock_cid if vsock_cid is None else vsock_cid,
                    hostname=spec.hostname if hostname is None else hostname, console_log=console_log,
-                   console_stream=console_stream, restore_from=Path(snapshot_dir))
+                   console_stream=console_stream, restore_from=Path(snapshot_dir),
+                   net=NetConfig(tap=net_tap) if net_tap is not None else None)
 
 
 @dataclass(frozen=True)
@@ -268,6 +323,16 @@ class Machine:
         self._add_virtio(self.vsock)
         self.rng = Rng()
         self._add_virtio(self.rng)
+        self.net: Net | None = None
+        self.net_backend: TapBackend | None = None
+        if cfg.net is not None:  # last, so machines without a NIC keep their slot layout
+            try:
+                self.net_backend = TapBackend(cfg.net.tap)
+            except NetBackendError as e:
+                raise MachineError(f"--net-tap: {e}") from e
+            self._closers.append(self.net_backend.close)
+            self.net = Net(cfg.net.mac, self.net_backend)
+            self._add_virtio(self.net)
         self.vcpus: list[Vcpu] = []
         self._cpuid: list[list[KvmCpuidEntry2]] = []
         self._msr_indices: list[int] = []
@@ -303,6 +368,11 @@ class Machine:
         if snap.host.pvm != is_pvm():
             raise MachineError(f"snapshot taken on a {'PVM' if snap.host.pvm else 'hardware'} KVM host; "
                                f"this host is {'PVM' if is_pvm() else 'hardware'} KVM")
+        snap_net = any(isinstance(v.device, NetState) for v in snap.devices.virtio)
+        if snap_net and cfg.net is None:
+            raise MachineError("the snapshot has a network interface: restore it with --net-tap")
+        if cfg.net is not None and not snap_net:
+            raise MachineError("the snapshot has no network interface: restore it without --net-tap")
         if (spec.rootfs is None) != (cfg.rootfs is None):
             raise MachineError("snapshot and configuration disagree on whether there is a root disk")
         if spec.rootfs is not None and cfg.rootfs is not None:
@@ -354,7 +424,7 @@ class Machine:
             raise SnapshotCompatError(f"snapshot virtio devices {saved} do not match this machine's {kinds}")
         for transport, slot in zip(self.transports, dev.virtio, strict=True):
             device = transport.device
-            if isinstance(device, (Block, Vsock, Rng)):
+            if isinstance(device, (Block, Vsock, Rng, Net)):
                 device.restore(slot.device)  # type: ignore[arg-type]  # kinds were checked above
             transport.restore(slot.mmio)
         if self.vsock.guest_cid != self.config.vsock_cid:
@@ -411,6 +481,8 @@ class Machine:
         parts = [cfg.cmdline, template_cmdline(self.template, tsc_khz, cfg.cpus), *self.virtio_cmdline]
         if cfg.hostname:
             parts.append(f"smol.hostname={cfg.hostname}")
+        if cfg.net is not None:
+            parts.append(cfg.net.cmdline_arg())
         if cfg.cmdline_extra:
             parts.append(cfg.cmdline_extra)
         return " ".join(p for p in parts if p)
@@ -474,6 +546,11 @@ class Machine:
         with self.mmio.lock:
             transport.notify(queue)
 
+    def _on_tap_readable(self) -> None:
+        if self.net is not None:
+            with self.mmio.lock:
+                self.net.backend_readable()
+
     def stop(self, reason: str = "stopped by the host") -> None:
         self._finish(MachineExit("stopped", reason))
 
@@ -496,6 +573,8 @@ class Machine:
         self._done = asyncio.Event()
         self.vsock_backend = VsockBackend(self.vsock, str(self.vsock_path), loop=loop, lock=self.mmio.lock)
         await self.vsock_backend.start()
+        if self.net_backend is not None:
+            self.net_backend.start(loop, self._on_tap_readable)
         for fd, transport, queue in self._notify_fds:
             loop.add_reader(fd, self._on_notify, fd, transport, queue)
         install_kick_handler()
@@ -539,6 +618,8 @@ class Machine:
         loop = asyncio.get_running_loop()
         for fd, _t, _q in self._notify_fds:
             loop.remove_reader(fd)
+        if self.net_backend is not None:
+            self.net_backend.stop()
         await self.vsock_backend.close()
 
     # -- pause, resume, snapshot ---------------------------------------------------------------------------
@@ -583,7 +664,7 @@ class Machine:
             slots = []
             for i, transport in enumerate(self.transports):
                 device = transport.device
-                if not isinstance(device, (Block, Vsock, Rng)):
+                if not isinstance(device, (Block, Vsock, Rng, Net)):
                     raise SnapshotError(f"virtio device {type(device).__name__} has no snapshot support")
                 slots.append(VirtioSlotState(slot=i, mmio=transport.save(), device=device.save()))
             devices = DevicesState(serial=self.serial.save(),

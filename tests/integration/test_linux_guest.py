@@ -112,6 +112,15 @@ def test_timeout_kills_command_and_its_children(vm: Microvm) -> None:
     assert check.stdout == b"gone\n"
 
 
+def test_no_net_tap_means_only_lo(vm: Microvm) -> None:
+    # Booted without --net-tap: no NIC at all; loopback is up (docs/networking.md).
+    r = vm.run(["sh", "-c", "tail -n +3 /proc/net/dev; echo --; /run/smol/busybox ip link show lo"])
+    assert r.exit_code == 0, r.stderr
+    dev, link = r.stdout.decode().split("--\n")
+    assert [ln.split(":")[0].strip() for ln in dev.splitlines()] == ["lo"], dev
+    assert "LOOPBACK,UP" in link
+
+
 def test_poweroff_ends_vmm_cleanly(vm: Microvm) -> None:
     state_dir = Path(vm.vsock_path).parent
     assert state_dir.is_dir()

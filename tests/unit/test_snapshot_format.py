@@ -18,6 +18,7 @@ from virtio_driver import VirtioDriver, assert_plain_state
 
 from smold.devices.block import Block, FileBackend
 from smold.devices.irq import CountingIrq
+from smold.devices.net import Net
 from smold.devices.rng import Rng
 from smold.devices.serial import Serial
 from smold.devices.virtio.mmio import MmioTransport
@@ -64,7 +65,7 @@ def _live_virtio(tmp_path: Path) -> tuple[VirtioSlotState, ...]:
     disk = tmp_path / "disk.img"
     disk.write_bytes(bytes(64 * 512))
     backend = FileBackend(disk, read_only=True)
-    devices = [Block(backend, read_only=True, serial=b"smol-root"), Vsock(guest_cid=7), Rng()]
+    devices = [Block(backend, read_only=True, serial=b"smol-root"), Vsock(guest_cid=7), Rng(), Net()]
     slots = []
     for i, dev in enumerate(devices):
         t = MmioTransport(dev, mem, CountingIrq())

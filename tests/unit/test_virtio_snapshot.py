@@ -20,6 +20,7 @@ from virtio_driver import DeviceCase, VirtioDriver, assert_plain_state
 from smold.devices.block import Block, FileBackend
 from smold.devices.block.request import RequestType, Status
 from smold.devices.irq import CountingIrq
+from smold.devices.net import Net
 from smold.devices.rng import Rng
 from smold.devices.virtio.device import STATUS_DRIVER_OK, VirtioDevice
 from smold.devices.virtio.mmio import MmioTransport
@@ -62,9 +63,48 @@ def exercise_rng(drv: VirtioDriver, dev: VirtioDevice) -> None:
     assert used.length == 64 and a[:64] != b
 
 
+# -- net --------------------------------------------------------------------------------------------
+class LoopbackTap:
+    """A backend that hands every transmitted frame straight back as received (a reflecting host)."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def recv(self) -> bytes | None:
+        return self.frames.pop(0) if self.frames else None
+
+    def send(self, frame: bytes) -> None:
+        self.frames.append(bytes(frame))
+
+    def want_rx(self, on: bool) -> None:
+        pass
+
+
+def make_net(ctx: dict[str, Any]) -> VirtioDevice:
+    return Net("06:00:ac:10:00:07", ctx.setdefault("tap", LoopbackTap()))
+
+
+def exercise_net(drv: VirtioDriver, dev: VirtioDevice) -> None:
+    assert drv.read_config(0, 6) == bytes.fromhex("0600ac100007")  # the MAC survived the snapshot
+    frame = b"\xff" * 6 + bytes.fromhex("0600ac100007") + b"\x08\x00" + os.urandom(64)
+    rx, tx = drv.queues[0], drv.queues[1]
+    p = rx.add(writable=[12 + 1518])
+    drv.kick(0)
+    used, _ = drv.request(1, [bytes(12) + frame])
+    assert used.length == 0
+    assert isinstance(dev, Net)
+    dev.backend_readable()
+    done = rx.used()
+    assert [(u.head, u.length) for u in done] == [(p.head, 12 + len(frame))]
+    assert p.written(drv.mem, 12 + len(frame))[12:] == frame
+    rx.release(p)
+    del tx
+
+
 SNAPSHOT_CASES: list[DeviceCase] = [
     DeviceCase("blk", make_block, exercise_block),
     DeviceCase("rng", make_rng, exercise_rng),
+    DeviceCase("net", make_net, exercise_net),
 ]
 
 
@@ -153,7 +193,7 @@ def test_broken_device_stays_broken(case: DeviceCase, ctx: dict[str, Any], mem: 
     t2.restore(t_state)
     assert t2.needs_reset
     drv.rebind(t2)
-    drv.negotiate(queues=[0])  # reset and bring up again
+    drv.negotiate(queues=case.queues)  # reset and bring up again
     case.exercise(drv, dev2)
 
 
