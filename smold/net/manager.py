@@ -381,7 +381,7 @@ def remove_network(namespace: str, host_if: str) -> None:
         netns.delete_link(host_if)
     if netns.namespace_exists(namespace):
         with contextlib.suppress(NetError):  # if the namespace lingers, the tap must not keep it busy
-            netns.in_netns(namespace, netns.delete_link, GUEST_IF)
+            netns.in_netns(namespace, netns._delete_link, GUEST_IF)
         netns.remove_namespace(namespace)
 
 

@@ -62,12 +62,19 @@ def remove_namespace(name: str) -> None:
             raise NetError(f"cannot remove network namespace {name}: {e}") from None
 
 
-def in_netns(name: str, fn: Callable[..., T], *args: Any) -> T:
-    """Run ``fn(*args)`` in a new thread that has entered namespace ``name``; its result or exception."""
+def in_netns(name: str | None, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` in a new thread that has entered namespace ``name`` (None: the caller's); its result
+    or exception. (pyroute2's IPRoute must also not run on a thread with a running event loop.)"""
     result: list[Any] = []
     error: list[BaseException] = []
 
     def body() -> None:
+        if name is None:
+            try:
+                result.append(fn(*args))
+            except BaseException as e:
+                error.append(e)
+            return
         try:
             fd = os.open(netns_path(name), os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
@@ -121,11 +128,15 @@ def link_exists(name: str, namespace: str | None = None) -> bool:
     def look() -> bool:
         with IPRoute() as ipr:
             return link_index(ipr, name) is not None
-    return look() if namespace is None else in_netns(namespace, look)
+    return in_netns(namespace, look)
 
 
 def delete_link(name: str) -> bool:
     """Delete a link of the calling thread's namespace (both ends of a veth); False when it is not there."""
+    return in_netns(None, _delete_link, name)
+
+
+def _delete_link(name: str) -> bool:
     with IPRoute() as ipr:
         idx = link_index(ipr, name)
         if idx is None:
@@ -140,9 +151,10 @@ def delete_link(name: str) -> bool:
 
 
 def list_links(prefix: str) -> list[str]:
-    with IPRoute() as ipr:
-        names = [link.get_attr("IFLA_IFNAME") for link in ipr.get_links()]
-    return sorted(n for n in names if n and n.startswith(prefix))
+    def names() -> list[str]:
+        with IPRoute() as ipr:
+            return [link.get_attr("IFLA_IFNAME") for link in ipr.get_links()]
+    return sorted(n for n in in_netns(None, names) if n and n.startswith(prefix))
 
 
 def write_sysctl(path: str, value: str) -> None:
