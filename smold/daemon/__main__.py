@@ -53,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM private key for --tcp (mode 0600)")
     ap.add_argument("--token-file", type=Path, metavar="FILE",
                     help="bearer token (32+ characters) every TCP call must send (mode 0600)")
+    ap.add_argument("--net-pool", default="10.213.0.0/16", metavar="CIDR",
+                    help="IPv4 pool of the per-machine /30 uplinks of networked machines (10.213.0.0/16)")
     ap.add_argument("--launcher", default="vmm", help=argparse.SUPPRESS)  # tests: module:attribute
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return ap
@@ -66,7 +68,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         keep_failed=args.keep_failed, on_shutdown=args.on_shutdown, launcher=args.launcher,
         images=tuple(parse_image_option(i) for i in args.image), tcp=args.tcp,
         tls_cert=args.tls_cert and args.tls_cert.absolute(), tls_key=args.tls_key and args.tls_key.absolute(),
-        token_file=args.token_file and args.token_file.absolute())
+        token_file=args.token_file and args.token_file.absolute(), net_pool=args.net_pool)
 
 
 def main(argv: list[str] | None = None) -> int:

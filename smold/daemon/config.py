@@ -52,6 +52,7 @@ class DaemonConfig:
     tls_cert: Path | None = None  # PEM certificate chain served on tcp
     tls_key: Path | None = None  # its PEM private key
     token_file: Path | None = None  # bearer token every TCP call must carry (mode 0600 or stricter)
+    net_pool: str = "10.213.0.0/16"  # per-machine /30 uplinks of networked machines (docs/networking.md)
 
     @property
     def machines_dir(self) -> Path:
@@ -89,6 +90,13 @@ class DaemonConfig:
             raise ValueError("--keep-failed must not be negative")
         if self.on_shutdown not in ("destroy", "leave"):
             raise ValueError("--on-shutdown must be 'destroy' or 'leave'")
+        import ipaddress
+        try:
+            pool = ipaddress.ip_network(self.net_pool, strict=True)
+        except ValueError as e:
+            raise ValueError(f"--net-pool: {e}") from None
+        if pool.version != 4 or pool.prefixlen > 30:
+            raise ValueError(f"--net-pool must be an IPv4 network of /30 or larger (got {self.net_pool})")
         if self.socket_mode & ~0o777:
             raise ValueError(f"--socket-mode must be permission bits (got {oct(self.socket_mode)})")
         tls = {"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--token-file": self.token_file}

@@ -82,7 +82,7 @@ def in_netns(name: str | None, fn: Callable[..., T], *args: Any) -> T:
             return
         try:
             if hasattr(os, "setns"):  # Python 3.12+
-                os.setns(fd, os.CLONE_NEWNET)
+                os.setns(fd, os.CLONE_NEWNET)  # type: ignore[attr-defined,unused-ignore]
             else:
                 netns.setns(fd, flags=0)
         except OSError as e:
