@@ -1,0 +1,67 @@
+"""The daemon with networked machines (host-agent launcher, real namespaces; root, nft, nsenter)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import grpc
+import pytest
+from test_daemon import Env, create, env, run_exec, spec, workdir  # noqa: F401 (fixtures)
+
+from smold.api.v1 import smol_pb2 as pb
+from smold.net import netns
+from smold.net.manager import host_if_name, namespace_name, network_leftovers
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)"),
+    pytest.mark.skipif(not all(shutil.which(t) for t in ("nft", "nsenter")), reason="needs nft and nsenter"),
+]
+
+
+@pytest.mark.parametrize("env", [{"net_pool": "10.214.2.0/24"}], indirect=True)
+async def test_networked_machine_runs_in_its_namespace_reports_and_leaves_nothing(env: Env) -> None:
+    m = await create(env, spec(network=pb.NetworkPolicy(allow=["10.251.9.0/24", "10.251.10.1:443"])))
+    ns = namespace_name(m.id)
+    assert ns in netns.list_namespaces()
+    assert netns.link_exists("tap0", ns) and netns.link_exists(host_if_name(m.id))
+    # the VM process (here: the agent itself) runs inside the namespace: it sees tap0 and up0, not eth0
+    out, _, ex, _ = await run_exec(env, m.id, ["cat", "/proc/net/dev"])
+    assert ex.exit_code == 0
+    links = {line.split(":")[0].strip() for line in out.decode().splitlines()[2:]}
+    assert links == {"lo", "tap0", "up0"}
+    got = (await env.stub.GetMachine(pb.GetMachineRequest(machine_id=m.id))).machine
+    assert got.HasField("network")
+    assert {c.name for c in got.network.counters} >= {"denied_forward", "denied_input", "allowed_forward"}
+    record = (env.machines_dir / m.id / "net.json").read_text()
+    assert ns in record
+
+    await env.stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))
+    assert network_leftovers(ns, host_if_name(m.id)) == []
+
+
+async def test_network_off_means_no_namespace(env: Env) -> None:
+    m = await create(env)
+    assert namespace_name(m.id) not in netns.list_namespaces()
+    got = (await env.stub.GetMachine(pb.GetMachineRequest(machine_id=m.id))).machine
+    assert not got.HasField("network")
+    out, _, _, _ = await run_exec(env, m.id, ["cat", "/proc/net/dev"])
+    assert "tap0" not in out.decode()
+    await env.stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))
+
+
+async def test_restarted_daemon_removes_orphaned_networks(env: Env) -> None:
+    from smold.net import AddressPool, NetworkManager
+    from smold.smolfile.model import AllowRule, NetworkPolicy
+    mgr = NetworkManager(AddressPool("10.214.3.0/24"), resolve=lambda n: [])
+    net = await mgr.setup("m-0ddba11c0ffe", NetworkPolicy((AllowRule("cidr", "10.251.9.0/24"),)))
+    if net.dns is not None:
+        await net.dns.close()
+    # a daemon starting now does not know this machine: its network is an orphan
+    await env.daemon.controller.network.clean_orphans(
+        keep=[m for m in (f"m-{n[5:]}" for n in netns.list_namespaces() if n.startswith("smol-"))
+              if m != "m-0ddba11c0ffe"])
+    assert network_leftovers(net.namespace, net.host_if) == []
+    with pytest.raises(grpc.aio.AioRpcError):
+        await env.stub.GetMachine(pb.GetMachineRequest(machine_id="m-0ddba11c0ffe"))
