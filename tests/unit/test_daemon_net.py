@@ -7,11 +7,15 @@ import shutil
 
 import grpc
 import pytest
-from test_daemon import Env, create, env, run_exec, spec, workdir  # noqa: F401 (fixtures)
+import test_daemon
+from test_daemon import Env, create, run_exec, spec
 
 from smold.api.v1 import smol_pb2 as pb
 from smold.net import netns
 from smold.net.manager import host_if_name, namespace_name, network_leftovers
+
+env = test_daemon.env          # the daemon fixtures, shared
+workdir = test_daemon.workdir
 
 pytestmark = [
     pytest.mark.netns,
