@@ -69,3 +69,16 @@ async def test_restarted_daemon_removes_orphaned_networks(env: Env) -> None:
     assert network_leftovers(net.namespace, net.host_if) == []
     with pytest.raises(grpc.aio.AioRpcError):
         await env.stub.GetMachine(pb.GetMachineRequest(machine_id="m-0ddba11c0ffe"))
+
+
+@pytest.mark.parametrize("env", [{"net_pool": "10.214.4.0/24"}], indirect=True)
+async def test_run_result_carries_the_network_report_and_run_leaves_nothing(env: Env) -> None:
+    sf = spec(network=pb.NetworkPolicy(allow=["10.251.9.0/24"]), task=pb.Command(argv=["true"]),
+              checks=[pb.Check(name="t", command=pb.CommandCheck(argv=["true"]))])
+    resp = await env.stub.Run(pb.RunRequest(smolfile=sf))
+    assert resp.result.passed, resp
+    assert resp.HasField("network")
+    assert dict((c.name, c.packets) for c in resp.network.counters)["denied_forward"] == 0
+    assert network_leftovers(namespace_name(resp.machine_id), host_if_name(resp.machine_id)) == []
+    off = await env.stub.Run(pb.RunRequest(smolfile=spec(task=pb.Command(argv=["true"]))))
+    assert not off.HasField("network")

@@ -118,3 +118,23 @@ def test_names_fit_interface_limits() -> None:
     for bad in ("m-XYZ", "m-", "m-0123456789abc", "../etc"):
         with pytest.raises(NetError):
             namespace_name(bad)
+
+
+def test_vmm_command_carries_the_net_flags_and_the_namespace_only_as_a_prefix(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from smold.daemon.images import Image
+    from smold.daemon.launcher import LaunchSpec, VmmLauncher
+    from smold.net.manager import GUEST_MAC, VmNetwork, resolve_policy
+    from smold.smolfile.model import NetworkPolicy
+
+    net = VmNetwork("m-0123456789ab", "smol-0123456789ab", "smh0123456789ab", AddressPool().allocate("m"),
+                    resolve_policy(NetworkPolicy(), lambda n: []))
+    img = Image("default", tmp_path / "k", tmp_path / "i", tmp_path / "r")
+    for restore in (None, tmp_path / "snap"):
+        spec = LaunchSpec("m-0123456789ab", tmp_path, img, 1, 256, "h", 60.0, restore_from=restore,
+                          net_args=tuple(net.vmm_args()), netns_prefix=tuple(net.launch_prefix()))
+        argv = VmmLauncher("/usr/bin/python3").command(spec)
+        assert argv[:3] == ["/usr/bin/python3", "-m", "smold.vmm"]   # what /proc/PID/cmdline will show
+        assert argv[-10:] == ["--net-tap", "tap0", "--net-mac", GUEST_MAC, "--net-guest", "172.16.0.2/30",
+                              "--net-gateway", "172.16.0.1", "--net-dns", "172.16.0.1"]
+        assert "nsenter" not in argv
+    assert net.launch_prefix()[0] == "nsenter" and net.launch_prefix()[1].endswith("/smol-0123456789ab")
