@@ -138,3 +138,20 @@ def test_vmm_command_carries_the_net_flags_and_the_namespace_only_as_a_prefix(tm
                               "--net-gateway", "172.16.0.1", "--net-dns", "172.16.0.1"]
         assert "nsenter" not in argv
     assert net.launch_prefix()[0] == "nsenter" and net.launch_prefix()[1].endswith("/smol-0123456789ab")
+
+
+def test_smolctl_shows_what_the_run_was_refused() -> None:
+    from smold.api.v1 import smol_pb2 as pb
+    from smolctl.output import run_result
+
+    report = pb.NetworkReport(counters=[pb.NetworkCounter(name="denied_forward", packets=3),
+                                        pb.NetworkCounter(name="allowed_forward", packets=9)],
+                              denied=[pb.DeniedDestination(address="10.0.0.5", protocol="tcp", port=80, packets=3),
+                                      pb.DeniedDestination(address="10.0.0.6", protocol="icmp", packets=1)],
+                              denied_names=[pb.DeniedName(name="evil.test", queries=2)], denied_dns_queries=2)
+    text = run_result(pb.RunResponse(machine_id="m-1", network=report))
+    assert text.splitlines()[-4:] == ["network: 3 packets denied, 2 DNS queries refused",
+                                      "  denied  tcp 10.0.0.5:80  (3 packets)",
+                                      "  denied  icmp 10.0.0.6  (1 packets)",
+                                      "  denied  dns evil.test  (2 queries)"]
+    assert "network:" not in run_result(pb.RunResponse(machine_id="m-1"))
