@@ -141,8 +141,8 @@ def test_vmm_command_carries_the_net_flags_and_the_namespace_only_as_a_prefix(tm
 
 
 def test_smolctl_shows_what_the_run_was_refused() -> None:
-    from smold.api.v1 import smol_pb2 as pb
     from smolctl.output import run_result
+    from smold.api.v1 import smol_pb2 as pb
 
     report = pb.NetworkReport(counters=[pb.NetworkCounter(name="denied_forward", packets=3),
                                         pb.NetworkCounter(name="allowed_forward", packets=9)],
