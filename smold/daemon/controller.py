@@ -177,10 +177,16 @@ class Controller:
                 with contextlib.suppress(OSError):
                     d.unlink()
         await asyncio.to_thread(self._clean_checkpoint_dirs)
-        try:  # namespaces and uplinks of machines that were not re-adopted
-            await self.network.clean_orphans(keep=self._machines)
+
+    async def _clean_network(self, machine_dir: Path) -> None:
+        """Remove the namespace and uplink of a machine that is not re-adopted (only this daemon's own:
+        another daemon on the host may run machines of its own)."""
+        if not ID_RE.fullmatch(machine_dir.name):
+            return
+        try:
+            await self.network.teardown_machine(machine_dir.name)
         except (NetError, OSError) as e:
-            log.warning("cleaning up orphaned machine networks failed: %s", e)
+            log.warning("machine %s: removing its network failed: %s", machine_dir.name, e)
 
     def _clean_checkpoint_dirs(self) -> None:
         """Remove half-written checkpoints and fork bases no (re-adopted) machine was restored from."""
@@ -200,6 +206,7 @@ class Controller:
             rec = MachineRecord.load(d)
         except RecordError as e:
             log.warning("removing %s: %s", d, e)
+            await self._clean_network(d)
             await asyncio.to_thread(shutil.rmtree, d, True)
             return
         why = ""
@@ -238,6 +245,7 @@ class Controller:
             log.info("cleaning up machine %s: %s", d.name, why)
             if rec.pid and is_same_process(rec.pid, rec.argv, rec.started):
                 await self._kill_stray(rec.pid)
+            await self._clean_network(d)
             await asyncio.to_thread(shutil.rmtree, d, True)
             return
         net: VmNetwork | None = None

@@ -7,6 +7,8 @@ sockets created there stay bound to that namespace after the thread is gone (soc
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import fcntl
 import os
@@ -31,6 +33,7 @@ IFF_TAP = 0x0002
 IFF_NO_PI = 0x1000
 IFF_VNET_HDR = 0x4000
 IFNAMSIZ = 16
+CLONE_NEWNET = 0x40000000
 
 
 def netns_path(name: str) -> Path:
@@ -48,9 +51,22 @@ def namespace_exists(name: str) -> bool:
 def create_namespace(name: str) -> None:
     if namespace_exists(name):
         raise NetError(f"network namespace {name} already exists")
+    in_netns(None, _create_here, name)
+
+
+def _create_here(name: str) -> None:
+    """unshare(CLONE_NEWNET) in this (fresh, short-lived) thread and bind-mount its new namespace to
+    /run/netns/<name>, as ``ip netns add`` does. No fork: forking a process with gRPC and event-loop threads
+    is not safe (pyroute2's netns.create forks)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise NetError(f"cannot create network namespace {name}: unshare: {os.strerror(err)}")
     try:
-        netns.create(name)
+        netns._create(name, pid="thread-self")
     except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(netns_path(name))
         raise NetError(f"cannot create network namespace {name}: {e}") from None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 import grpc
 import pytest
@@ -82,3 +83,62 @@ async def test_run_result_carries_the_network_report_and_run_leaves_nothing(env:
     assert network_leftovers(namespace_name(resp.machine_id), host_if_name(resp.machine_id)) == []
     off = await env.stub.Run(pb.RunRequest(smolfile=spec(task=pb.Command(argv=["true"]))))
     assert not off.HasField("network")
+
+
+DNS_PROBE = """
+import socket, struct
+q = struct.pack('!HHHHHH', 9, 0x100, 1, 0, 0, 0) + b'\\x04evil\\x04test\\x00' + struct.pack('!HH', 1, 1)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(5)
+s.sendto(q, ('172.16.0.1', 53))
+r = s.recv(512)
+print(struct.unpack('!H', r[:2])[0], r[3] & 15)
+"""
+
+
+def test_restarted_daemon_readopts_the_network_and_cleans_up_the_lost_machine() -> None:
+    import signal
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from daemon_support import DaemonProcess, pid_alive, processes_mentioning, wait_until
+
+    workdir = Path(tempfile.mkdtemp(prefix="smn-", dir="/tmp"))
+    (workdir / "task").mkdir()
+    (workdir / "task" / "Smolfile.toml").write_text(
+        'memory = 256\ncpus = 1\nnetwork = { allow = ["10.251.9.0/24"] }\n')
+
+    def ok(r: subprocess.CompletedProcess[bytes]) -> str:
+        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+        return r.stdout.decode()
+
+    d1 = DaemonProcess(workdir, "--net-pool", "10.214.5.0/24").start()
+    try:
+        keep = ok(d1.smolctl("create", str(workdir / "task"))).strip()
+        lost = ok(d1.smolctl("create", str(workdir / "task"))).strip()
+        lost_pid = int(__import__("json").loads((d1.state / "machines" / lost / "machine.json").read_text())["pid"])
+        d1.kill()  # a crash: the namespaces stay, the resolver (in the daemon) is gone
+        os.kill(lost_pid, signal.SIGKILL)
+        assert wait_until(lambda: not pid_alive(lost_pid))
+        assert {namespace_name(keep), namespace_name(lost)} <= set(netns.list_namespaces())
+
+        d2 = DaemonProcess(workdir, "--net-pool", "10.214.5.0/24").start()
+        try:
+            assert network_leftovers(namespace_name(lost), host_if_name(lost)) == []
+            out = ok(d2.smolctl("exec", keep, "--", sys.executable, "-c", DNS_PROBE))
+            assert out.split() == ["9", "3"]  # the re-adopted machine's resolver answers again: NXDOMAIN
+            ok(d2.smolctl("rm", keep))
+            assert network_leftovers(namespace_name(keep), host_if_name(keep)) == []
+        finally:
+            d2.terminate()
+    finally:
+        d1.kill()
+        for pid in processes_mentioning(str(workdir / "state")):
+            os.kill(pid, signal.SIGKILL)
+        for m in (locals().get("keep"), locals().get("lost")):
+            if m:
+                with __import__("contextlib").suppress(Exception):
+                    from smold.net.manager import remove_network
+                    remove_network(namespace_name(m), host_if_name(m))
+        shutil.rmtree(workdir, ignore_errors=True)
