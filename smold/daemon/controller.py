@@ -311,7 +311,7 @@ class Controller:
             failure_reason=m.failure_reason,
             console_tail=self.console_tail(m, console_bytes) if console_bytes else "",
             vmm_pid=proc.pid if proc is not None and m.exit_status is None else 0,
-            network=m.net_report)
+            network=m.net_report or (NetworkReport() if m.smolfile.network.enabled else None))
 
     async def refresh_network(self, ref: str) -> None:
         """Read a machine's network report (nft counters, denied destinations and names) into m.net_report."""
