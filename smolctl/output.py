@@ -129,4 +129,18 @@ def run_result(resp: pb.RunResponse, *, verbose: bool = False) -> str:
         if (not s.ok or verbose) and s.evidence.output_tail.strip():
             lines += _indent_tail(s.evidence.output_tail, "        ")
     lines += verify_result(resp.result, verbose=verbose)
+    if resp.HasField("network"):
+        lines += network_report(resp.network)
     return "\n".join(lines)
+
+
+def network_report(r: pb.NetworkReport, limit: int = 20) -> list[str]:
+    """What the machine's network policy refused (docs/networking.md, "Report")."""
+    denied = sum(c.packets for c in r.counters if c.name.startswith("denied_"))
+    lines = [f"network: {denied} packets denied, {r.denied_dns_queries} DNS queries refused"]
+    for d in list(r.denied)[:limit]:
+        where = f"{d.address}:{d.port}" if d.port else d.address
+        lines.append(f"  denied  {d.protocol} {where}  ({d.packets} packets)")
+    for n in list(r.denied_names)[:limit]:
+        lines.append(f"  denied  dns {n.name}  ({n.queries} queries)")
+    return lines

@@ -29,7 +29,16 @@ from smold.smolfile import (
 from smold.smolfile.errors import KeyPath
 from smold.verifier import CheckResult, Evidence, VerifyResult
 
-from .machine import BakeInfo, CheckpointInfo, MachineInfo, MachineState, RunResult, StepResult
+from .machine import (
+    BakeInfo,
+    CheckpointInfo,
+    DeniedDestination,
+    MachineInfo,
+    MachineState,
+    NetworkReport,
+    RunResult,
+    StepResult,
+)
 from .v1 import smol_pb2 as pb
 
 INLINE_SPEC = "<inline spec>"
@@ -81,7 +90,26 @@ def machine_to_proto(m: MachineInfo) -> pb.Machine:
         restored_from=m.restored_from,
     )
     msg.created_at.FromDatetime(m.created_at)
+    if m.network is not None:
+        msg.network.CopyFrom(network_report_to_proto(m.network))
     return msg
+
+
+def network_report_to_proto(r: NetworkReport) -> pb.NetworkReport:
+    return pb.NetworkReport(
+        counters=[pb.NetworkCounter(name=n, packets=p) for n, p in r.counters],
+        denied=[pb.DeniedDestination(address=d.address, protocol=d.protocol, port=d.port, packets=d.packets)
+                for d in r.denied],
+        denied_names=[pb.DeniedName(name=n, queries=q) for n, q in r.denied_names],
+        denied_dns_queries=r.denied_dns_queries)
+
+
+def network_report_from_proto(msg: pb.NetworkReport) -> NetworkReport:
+    return NetworkReport(
+        counters=tuple((c.name, c.packets) for c in msg.counters),
+        denied=tuple(DeniedDestination(d.address, d.protocol, d.port, d.packets) for d in msg.denied),
+        denied_names=tuple((d.name, d.queries) for d in msg.denied_names),
+        denied_dns_queries=msg.denied_dns_queries)
 
 
 def checkpoint_to_proto(c: CheckpointInfo) -> pb.Checkpoint:
@@ -144,6 +172,7 @@ def machine_from_proto(msg: pb.Machine) -> MachineInfo:
         console_tail=msg.console_tail,
         vmm_pid=msg.vmm_pid,
         restored_from=msg.restored_from,
+        network=network_report_from_proto(msg.network) if msg.HasField("network") else None,
     )
 
 
@@ -210,6 +239,7 @@ def run_result_to_proto(r: RunResult) -> pb.RunResponse:
         machine_id=r.machine_id,
         error=r.error,
         duration_ms=r.duration_ms,
+        network=network_report_to_proto(r.network) if r.network is not None else None,
     )
 
 
@@ -220,6 +250,7 @@ def run_result_from_proto(msg: pb.RunResponse) -> RunResult:
         machine_id=msg.machine_id,
         error=msg.error,
         duration_ms=msg.duration_ms,
+        network=network_report_from_proto(msg.network) if msg.HasField("network") else None,
     )
 
 

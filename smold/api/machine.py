@@ -21,6 +21,30 @@ class MachineState(enum.Enum):
 
 
 @dataclass(frozen=True)
+class DeniedDestination:
+    """A destination the guest tried to reach and was refused (proto: smol.v1.DeniedDestination)."""
+
+    address: str
+    protocol: str  # "tcp", "udp", "icmp", ...
+    port: int = 0  # 0 for protocols without ports
+    packets: int = 0
+
+
+@dataclass(frozen=True)
+class NetworkReport:
+    """What a machine's network policy refused (proto: smol.v1.NetworkReport; docs/networking.md "Report")."""
+
+    counters: tuple[tuple[str, int], ...] = ()               # named nft counter -> packets
+    denied: tuple[DeniedDestination, ...] = ()
+    denied_names: tuple[tuple[str, int], ...] = ()           # DNS name -> queries refused
+    denied_dns_queries: int = 0
+
+    @property
+    def denied_packets(self) -> int:
+        return sum(n for name, n in self.counters if name.startswith("denied_"))
+
+
+@dataclass(frozen=True)
 class MachineInfo:
     """A machine as GetMachine/ListMachines show it (proto: smol.v1.Machine)."""
 
@@ -37,6 +61,7 @@ class MachineInfo:
     console_tail: str = ""
     vmm_pid: int = 0  # the VMM process on the host; 0 when it is gone
     restored_from: str = ""  # "" (booted), "bake:sha256:<hex>", "checkpoint:<name>" or "fork:<parent id>"
+    network: NetworkReport | None = None  # None: networking off (no NIC)
 
 
 @dataclass(frozen=True)
@@ -87,3 +112,4 @@ class RunResult:
     machine_id: str
     error: str = ""
     duration_ms: int = 0
+    network: NetworkReport | None = None  # read just before the machine was destroyed; None: networking off

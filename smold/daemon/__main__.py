@@ -66,6 +66,8 @@ def parser() -> argparse.ArgumentParser:
                          "files, an unprivileged uid, a cgroup memory and CPU limit (docs/security.md)")
     ap.add_argument("--jail-uid", type=int, default=64000, help="uid of jailed VM processes (64000)")
     ap.add_argument("--jail-gid", type=int, default=64000, help="gid of jailed VM processes (64000)")
+    ap.add_argument("--net-pool", default="10.213.0.0/16", metavar="CIDR",
+                    help="IPv4 pool of the per-machine /30 uplinks of networked machines (10.213.0.0/16)")
     ap.add_argument("--launcher", default="vmm", help=argparse.SUPPRESS)  # tests: module:attribute
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return ap
@@ -81,7 +83,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         tls_cert=args.tls_cert and args.tls_cert.absolute(), tls_key=args.tls_key and args.tls_key.absolute(),
         token_file=args.token_file and args.token_file.absolute(), vmm_seccomp=args.vmm_seccomp,
         mount_roots=tuple(p.absolute() for p in args.mount_root), max_concurrent_calls=args.max_concurrent_calls,
-        jail=args.jail, jail_uid=args.jail_uid, jail_gid=args.jail_gid)
+        jail=args.jail, jail_uid=args.jail_uid, jail_gid=args.jail_gid, net_pool=args.net_pool)
 
 
 def main(argv: list[str] | None = None) -> int:

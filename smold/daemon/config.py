@@ -58,6 +58,7 @@ class DaemonConfig:
     jail: bool = False  # run each VMM in its jail (smold/jail/jailer.py): namespaces, chroot, uid, cgroup
     jail_uid: int = 64000  # the jailed VMM's uid and gid (must not be 0)
     jail_gid: int = 64000
+    net_pool: str = "10.213.0.0/16"  # per-machine /30 uplinks of networked machines (docs/networking.md)
 
     @property
     def machines_dir(self) -> Path:
@@ -108,6 +109,13 @@ class DaemonConfig:
             raise ValueError("--jail-uid and --jail-gid must be positive (not root)")
         if self.vmm_seccomp not in ("on", "log", "off"):
             raise ValueError("--vmm-seccomp must be 'on', 'log' or 'off'")
+        import ipaddress
+        try:
+            pool = ipaddress.ip_network(self.net_pool, strict=True)
+        except ValueError as e:
+            raise ValueError(f"--net-pool: {e}") from None
+        if pool.version != 4 or pool.prefixlen > 30:
+            raise ValueError(f"--net-pool must be an IPv4 network of /30 or larger (got {self.net_pool})")
         if self.socket_mode & ~0o777:
             raise ValueError(f"--socket-mode must be permission bits (got {oct(self.socket_mode)})")
         tls = {"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--token-file": self.token_file}

@@ -36,7 +36,16 @@ from pathlib import Path
 from typing import Any
 
 from smold.agent import AgentClient, AgentError, ExecEvent
-from smold.api.machine import BakeInfo, CheckpointInfo, MachineInfo, MachineState, RunResult, StepResult
+from smold.api.machine import (
+    BakeInfo,
+    CheckpointInfo,
+    MachineInfo,
+    MachineState,
+    NetworkReport,
+    RunResult,
+    StepResult,
+)
+from smold.net import AddressPool, NetError, NetworkManager, VmNetwork
 from smold.smolfile import (
     Check,
     Smolfile,
@@ -76,7 +85,6 @@ from .errors import (
     NameTakenError,
     ShuttingDownError,
     Status,
-    UnsupportedError,
     WrongPhaseError,
 )
 from .images import ImageStore
@@ -133,6 +141,8 @@ class Machine:
     checkpoint: Path | None = None   # the snapshot directory it was restored from (None: booted)
     boot_note: str = ""              # said in the boot step: the bake restored, or why one was refused
     snapshot_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one snapshot of its VM at a time
+    net: VmNetwork | None = None      # its namespace, tap, nft rules and DNS resolver (None: networking off)
+    net_report: NetworkReport | None = None  # the last one read (kept after the network is gone)
     # Exec defaults from an OCI image's config (Env, WorkingDir, User); the Smolfile and requests win.
     image_env: tuple[tuple[str, str], ...] = ()
     image_cwd: str = ""
@@ -184,8 +194,10 @@ class StepFailedError(Exception):
 class Controller:
     """Owns every machine of this daemon. All methods run on the daemon's event loop."""
 
-    def __init__(self, config: DaemonConfig, launcher: Launcher, images: ImageStore | None = None) -> None:
+    def __init__(self, config: DaemonConfig, launcher: Launcher, images: ImageStore | None = None,
+                 network: NetworkManager | None = None) -> None:
         self.config = config
+        self.network = network or NetworkManager(AddressPool(config.net_pool))
         self.launcher = launcher
         self.images = images or ImageStore()
         self._machines: dict[str, Machine] = {}
@@ -209,6 +221,16 @@ class Controller:
                     d.unlink()
         await asyncio.to_thread(self._clean_checkpoint_dirs)
 
+    async def _clean_network(self, machine_dir: Path) -> None:
+        """Remove the namespace and uplink of a machine that is not re-adopted (only this daemon's own:
+        another daemon on the host may run machines of its own)."""
+        if not ID_RE.fullmatch(machine_dir.name):
+            return
+        try:
+            await self.network.teardown_machine(machine_dir.name)
+        except (NetError, OSError) as e:
+            log.warning("machine %s: removing its network failed: %s", machine_dir.name, e)
+
     def _clean_checkpoint_dirs(self) -> None:
         """Remove half-written checkpoints and fork bases no (re-adopted) machine was restored from."""
         self.config.checkpoints_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -228,6 +250,7 @@ class Controller:
             rec = MachineRecord.load(d)
         except RecordError as e:
             log.warning("removing %s: %s", d, e)
+            await self._clean_network(d)
             await asyncio.to_thread(shutil.rmtree, d, True)
             return
         why = ""
@@ -266,13 +289,24 @@ class Controller:
             log.info("cleaning up machine %s: %s", d.name, why)
             if rec.pid and is_same_process(rec.pid, rec.argv, rec.started):
                 await self._kill_stray(rec.pid)
+            await self._clean_network(d)
             await asyncio.to_thread(shutil.rmtree, d, True)
             return
+        net: VmNetwork | None = None
+        if smolfile.network.enabled:
+            try:
+                net = await self.network.adopt(rec.id, smolfile.network, d)
+            except (NetError, OSError) as e:
+                log.info("cleaning up machine %s: its network cannot be re-adopted (%s)", d.name, e)
+                await self._kill_stray(proc.pid)
+                await self.network.teardown_machine(rec.id)
+                await asyncio.to_thread(shutil.rmtree, d, True)
+                return
         m = Machine(
             id=rec.id, name=rec.name, smolfile=smolfile, image=rec.image, image_digest=rec.image_digest,
             smolfile_digest=rec.smolfile_digest, state_dir=d, created_at=datetime.fromisoformat(rec.created_at),
             launcher=rec.launcher, phase=MachineState.RUNNING, proc=proc, ready=ready,
-            checkpoint=Path(rec.checkpoint) if rec.checkpoint else None)
+            checkpoint=Path(rec.checkpoint) if rec.checkpoint else None, net=net)
         self._machines[m.id] = m
         m.watcher = asyncio.create_task(self._watch(m))
         log.info("re-adopted machine %s (VM process %d)", m.id, proc.pid)
@@ -321,7 +355,8 @@ class Controller:
             failure_reason=m.failure_reason,
             console_tail=self.console_tail(m, console_bytes) if console_bytes else "",
             vmm_pid=proc.pid if proc is not None and m.exit_status is None else 0,
-            restored_from=self._restored_from(m.checkpoint))
+            restored_from=self._restored_from(m.checkpoint),
+            network=m.net_report or (NetworkReport() if m.smolfile.network.enabled else None))
 
     def _restored_from(self, directory: Path | None) -> str:
         if directory is None:
@@ -337,6 +372,20 @@ class Controller:
     def _restored_machines(self, directory: Path) -> tuple[str, ...]:
         return tuple(m.id for m in sorted(self._machines.values(), key=lambda m: (m.created_at, m.id))
                      if m.checkpoint == directory)
+
+    async def refresh_network(self, ref: str) -> None:
+        """Read a machine's network report (nft counters, denied destinations and names) into m.net_report."""
+        with contextlib.suppress(MachineNotFoundError):
+            m = self._lookup(ref)
+            await self._read_network(m)
+
+    async def _read_network(self, m: Machine) -> NetworkReport | None:
+        if m.net is not None:
+            try:
+                m.net_report = await self.network.report(m.net)
+            except (NetError, OSError) as e:
+                log.warning("machine %s: cannot read its network report: %s", m.id, e)
+        return m.net_report
 
     def get(self, ref: str, console_bytes: int = 0) -> MachineInfo:
         n = DEFAULT_CONSOLE_TAIL if console_bytes <= 0 else min(console_bytes, MAX_CONSOLE_TAIL)
@@ -385,8 +434,6 @@ class Controller:
                 raise NameTakenError(f"a machine named {name!r} already exists")
         if self._closing:
             raise ShuttingDownError("the daemon is shutting down")
-        if smolfile.network.enabled:
-            raise UnsupportedError("network allowlists are not implemented yet: use network = \"off\"")
         live = [m for m in self._machines.values() if m.phase in LIVE]
         if len(live) >= self.config.max_machines:
             raise LimitExceededError(f"machine limit reached: {len(live)} of {self.config.max_machines} "
@@ -456,9 +503,16 @@ class Controller:
         await asyncio.to_thread(m.state_dir.mkdir, 0o700)
         m.save()
         boot_timeout = m.smolfile.timeouts.boot
+        if m.smolfile.network.enabled:  # its own namespace, uplink, tap, rules and resolver, before the VMM
+            try:
+                m.net = await self.network.setup(m.id, m.smolfile.network, state_dir=m.state_dir)
+            except NetError as e:
+                raise CreateFailedError(f"machine {m.id}: cannot set up its network: {e}", Status.INTERNAL) from None
         spec = LaunchSpec(machine_id=m.id, state_dir=m.state_dir, image=image, cpus=m.cpus,
                           memory_mib=m.memory_mib, hostname=_hostname(m), boot_timeout=boot_timeout,
-                          restore_from=m.checkpoint)
+                          restore_from=m.checkpoint,
+                          net_args=tuple(m.net.vmm_args()) if m.net else (),
+                          netns_prefix=tuple(m.net.launch_prefix()) if m.net else ())
         try:
             proc = await self.launcher.spawn(spec)
         except LaunchError as e:
@@ -775,8 +829,15 @@ class Controller:
             m.destroy_requested = True
             m.create_task.cancel()
         await self._stop_process(m)
+        if m.net is not None or m.smolfile.network.enabled:
+            await self._read_network(m)
+            try:
+                await self.network.teardown_machine(m.id)
+            except (NetError, OSError) as e:
+                log.error("machine %s: tearing down its network failed: %s", m.id, e)
+            m.net = None
         await asyncio.to_thread(shutil.rmtree, m.state_dir, True)
-        leftovers = self._leftovers(m)
+        leftovers = await asyncio.to_thread(self._leftovers, m)
         if leftovers:
             m.phase = MachineState.FAILED
             m.failure_reason = "destroy incomplete: " + "; ".join(leftovers)
@@ -825,6 +886,8 @@ class Controller:
                 out.append(f"processes {members} of its group still run")
         if m.state_dir.exists():
             out.append(f"{m.state_dir} still exists")
+        if m.smolfile.network.enabled:
+            out.extend(self.network.leftovers(m.id))
         return out
 
     # --- checkpoints and fork ---------------------------------------------------------------------------------
@@ -1140,8 +1203,10 @@ class Controller:
                 result = await self._verify(m)
             except GuestUnavailableError as e:
                 result = VerifyResult(False, (), m.image_digest, sdigest, 0)
-                return RunResult(result, tuple(steps), m.id, error=f"verify: {e}", duration_ms=_ms_since(start))
-            return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start))
+                return RunResult(result, tuple(steps), m.id, error=f"verify: {e}", duration_ms=_ms_since(start),
+                                 network=await self._read_network(m))
+            return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start),
+                             network=await self._read_network(m))
         finally:
             if m is not None:
                 await self._destroy_quietly(m)

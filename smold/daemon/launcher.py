@@ -47,6 +47,8 @@ class LaunchSpec:
     hostname: str
     boot_timeout: float
     restore_from: Path | None = None  # a snapshot directory to restore (new identity) instead of booting
+    net_args: tuple[str, ...] = ()    # the VMM's --net-* flags (docs/networking.md); () = no NIC
+    netns_prefix: tuple[str, ...] = ()  # runs the VM process in its network namespace (not part of argv)
 
 
 class Launcher(abc.ABC):
@@ -61,9 +63,10 @@ class Launcher(abc.ABC):
     async def spawn(self, spec: LaunchSpec) -> ChildProcess:
         """Start the VM process in its own session, output to ``vmm.log``; returns at once."""
         argv = self.command(spec)
+        run_argv = [*spec.netns_prefix, *argv]  # nsenter execs argv: /proc/PID/cmdline is argv itself
         log = os.open(spec.state_dir / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
         try:
-            popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=spec.state_dir,
+            popen = subprocess.Popen(run_argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=spec.state_dir,
                                      start_new_session=True, env=self.environment(), close_fds=True)
         except OSError as e:
             raise LaunchError(f"cannot start the VM process {argv[0]}: {e}") from e
@@ -159,7 +162,7 @@ class VmmLauncher(Launcher):
         return [self.python, "-m", "smold.jail", "--name", spec.machine_id, "--uid", str(j.uid), "--gid", str(j.gid),
                 "--state-dir", str(spec.state_dir), "--jail-base", str(j.base), *ro,
                 "--memory-bytes", str((spec.memory_mib + j.memory_overhead_mib) << 20), "--cpus", str(spec.cpus),
-                "--cgroup-parent", j.cgroup_parent, "--", *argv]
+                "--cgroup-parent", j.cgroup_parent, *(["--keep-netns"] if spec.netns_prefix else []), "--", *argv]
 
     async def snapshot(self, state_dir: Path, directory: Path, timeout: float = 300.0, *,
                        digest: bool = False) -> dict[str, Any]:
@@ -191,6 +194,7 @@ class VmmLauncher(Launcher):
                 "--hostname", spec.hostname,
                 "--seccomp", self.seccomp,
                 "--new-identity",
+                *spec.net_args,
             ]
         return [
             self.python, "-m", "smold.vmm",
@@ -204,6 +208,7 @@ class VmmLauncher(Launcher):
             "--boot-timeout", f"{spec.boot_timeout:g}",
             "--hostname", spec.hostname,
             "--seccomp", self.seccomp,
+            *spec.net_args,
         ]
 
     async def connect(self, state_dir: Path, ready: dict[str, Any], timeout: float = 10.0) -> AgentClient:

@@ -75,6 +75,7 @@ class SmolServicer(pb_grpc.SmolServicer):
 
     async def GetMachine(self, request: pb.GetMachineRequest, context: Any) -> pb.GetMachineResponse:
         async def go() -> pb.GetMachineResponse:
+            await self.controller.refresh_network(request.machine_id)
             info = self.controller.get(request.machine_id, request.console_tail_bytes)
             return pb.GetMachineResponse(machine=convert.machine_to_proto(info))
         return await self._call(context, go)

@@ -26,6 +26,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cgroup-parent", default="smol")
     ap.add_argument("--nofile", type=int, default=4096)
     ap.add_argument("--nproc", type=int, default=4096)
+    ap.add_argument("--keep-netns", action="store_true",
+                    help="stay in the current network namespace (default: a new, empty one)")
     ap.add_argument("argv", nargs="+", help="the command to run jailed (after --)")
     return ap
 
@@ -36,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = JailSpec(name=args.name, uid=args.uid, gid=args.gid, state_dir=args.state_dir.absolute(),
                     jail_base=args.jail_base.absolute(), read_only=tuple(p.absolute() for p in args.ro),
                     read_write=tuple(p.absolute() for p in args.rw), limits=limits,
-                    cgroup_parent=args.cgroup_parent, nofile=args.nofile, nproc=args.nproc)
+                    cgroup_parent=args.cgroup_parent, nofile=args.nofile, nproc=args.nproc,
+                    keep_netns=args.keep_netns)
     try:
         return run_jailed(spec, args.argv)
     except (JailError, OSError) as e:

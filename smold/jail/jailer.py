@@ -10,7 +10,8 @@ Inside the jail the VMM sees only: a read-only tmpfs root; read-only binds of /u
 links), the Python interpreter, its virtualenv and the import path; the VM's kernel, initramfs, root disk
 and snapshot (read-only unless asked); its state directory (read-write); /dev/{kvm,net/tun,null,urandom}
 (fresh device nodes: /dev/kvm and the tun node owned by the VM's uid); a fresh /proc of its own PID
-namespace; an empty /tmp. The network namespace is not changed here.
+namespace; an empty /tmp. It also gets a new, empty network namespace (only lo, down) unless
+``keep_netns``: a networked VM is started inside its machine's namespace (smold/net), which it keeps.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 from .cgroup import Cgroup, CgroupError, Limits
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID = 0x00020000, 0x04000000, 0x08000000, 0x20000000
+CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
@@ -70,6 +72,7 @@ class JailSpec:
     nofile: int = 4096
     nproc: int = 4096
     hostname: str = "smol-vmm"
+    keep_netns: bool = False       # True: stay in the caller's network namespace (the machine's, with its tap)
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -204,7 +207,8 @@ def _child(spec: JailSpec, argv: Sequence[str], env: dict[str, str]) -> None:
     """PID 1 of the new namespace: build the jail, drop privileges, exec the VMM. Never returns."""
     try:
         # The mount namespace is the child's alone: pivot_root moves every process of the namespace.
-        _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+        flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | (0 if spec.keep_netns else CLONE_NEWNET)
+        _check(_libc.unshare(flags), "unshare")
         socket.sethostname(spec.hostname)
         root = spec.jail_base / spec.name
         build_root(spec, root)

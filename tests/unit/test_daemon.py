@@ -457,8 +457,6 @@ async def test_bad_input_gets_the_right_status_and_the_daemon_keeps_serving(env:
     await expect_error(cm(CreateReq(smolfile=spec(memory_mib=0))), INVALID,
                        "<inline spec>: memory: must be at least 128 MiB")
     await expect_error(cm(CreateReq(smolfile=spec(memory_mib=1 << 30))), INVALID, "memory", "at most 8192")
-    await expect_error(cm(CreateReq(smolfile=spec(network=pb.NetworkPolicy(allow=["pypi.org:443"])))),
-                       grpc.StatusCode.UNIMPLEMENTED, "network allowlists")
     await expect_error(cm(CreateReq()), INVALID, "no Smolfile given")
     await expect_error(cm(CreateReq(smolfile=toml('[mounts]\n"missing" = "/x"', env.dir))), INVALID,
                        '[mounts].missing: host path', "does not exist")

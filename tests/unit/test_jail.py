@@ -25,7 +25,7 @@ UID = GID = 64123
 MiB = 1 << 20
 
 PROBE = r"""
-import json, os, resource, sys, time
+import json, os, resource, socket, sys, time
 import smold.agent, smold.vmm.machine   # what the VMM imports must be inside the jail (editable installs too)
 secret = sys.argv[1]
 info = {
@@ -36,6 +36,7 @@ info = {
     "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0], "core": resource.getrlimit(resource.RLIMIT_CORE)[1],
     "procs": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
     "state_writable": os.access(os.getcwd(), os.W_OK), "cwd": os.getcwd(),
+    "links": sorted(name for _, name in socket.if_nameindex()),
 }
 try:
     open("/usr/smol-jail-test", "w")
@@ -111,6 +112,7 @@ def test_jailed_process_sees_only_its_jail(tmp_path: Path, base: Path) -> None:
         assert sorted(os.listdir(f"/proc/{vmm}/root")) == info["root"] != sorted(os.listdir("/"))
         assert not os.path.exists(f"/proc/{vmm}/root{secret}")
         assert os.stat(f"/proc/{vmm}").st_uid == UID
+        assert os.readlink(f"/proc/{vmm}/ns/net") != os.readlink("/proc/self/ns/net")   # its own, empty netns
         cg = Cgroup("probe", "smol-test")
         assert cg.memory_limit() == 128 * MiB
         assert vmm in cg.procs() and proc.pid not in cg.procs()   # the jailer stays outside
@@ -120,6 +122,7 @@ def test_jailed_process_sees_only_its_jail(tmp_path: Path, base: Path) -> None:
     assert (info["uid"], info["gid"], info["euid"], info["groups"]) == (UID, GID, UID, [])
     assert info["pid"] == 1 and info["procs"] == [1]       # its own PID namespace: nothing else visible
     assert info["hostname"] == "smol-vmm"
+    assert info["links"] == ["lo"]                          # no host interface: networking is off
     assert not info["secret_visible"] and not info["usr_writable"] and info["state_writable"]
     assert set(info["root"]) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "sys",
                                  "tmp", "usr", "root", "work", "home", "opt", "var", "srv"}

@@ -37,7 +37,7 @@ COPY_FORMAT_FILE: CopyFormat
 COPY_FORMAT_TAR: CopyFormat
 
 class Machine(_message.Message):
-    __slots__ = ("id", "name", "state", "cpus", "memory_mib", "image", "image_digest", "smolfile_digest", "created_at", "failure_reason", "console_tail", "vmm_pid", "restored_from")
+    __slots__ = ("id", "name", "state", "cpus", "memory_mib", "image", "image_digest", "smolfile_digest", "created_at", "failure_reason", "console_tail", "vmm_pid", "restored_from", "network")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class Machine(_message.Message):
     CONSOLE_TAIL_FIELD_NUMBER: _ClassVar[int]
     VMM_PID_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: MachineState
@@ -64,7 +65,48 @@ class Machine(_message.Message):
     console_tail: str
     vmm_pid: int
     restored_from: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[MachineState, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., image: _Optional[str] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., console_tail: _Optional[str] = ..., vmm_pid: _Optional[int] = ..., restored_from: _Optional[str] = ...) -> None: ...
+    network: NetworkReport
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[MachineState, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., image: _Optional[str] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., console_tail: _Optional[str] = ..., vmm_pid: _Optional[int] = ..., restored_from: _Optional[str] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ...) -> None: ...
+
+class DeniedDestination(_message.Message):
+    __slots__ = ("address", "protocol", "port", "packets")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    PACKETS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    protocol: str
+    port: int
+    packets: int
+    def __init__(self, address: _Optional[str] = ..., protocol: _Optional[str] = ..., port: _Optional[int] = ..., packets: _Optional[int] = ...) -> None: ...
+
+class NetworkCounter(_message.Message):
+    __slots__ = ("name", "packets")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PACKETS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    packets: int
+    def __init__(self, name: _Optional[str] = ..., packets: _Optional[int] = ...) -> None: ...
+
+class DeniedName(_message.Message):
+    __slots__ = ("name", "queries")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    queries: int
+    def __init__(self, name: _Optional[str] = ..., queries: _Optional[int] = ...) -> None: ...
+
+class NetworkReport(_message.Message):
+    __slots__ = ("counters", "denied", "denied_names", "denied_dns_queries")
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    DENIED_FIELD_NUMBER: _ClassVar[int]
+    DENIED_NAMES_FIELD_NUMBER: _ClassVar[int]
+    DENIED_DNS_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    counters: _containers.RepeatedCompositeFieldContainer[NetworkCounter]
+    denied: _containers.RepeatedCompositeFieldContainer[DeniedDestination]
+    denied_names: _containers.RepeatedCompositeFieldContainer[DeniedName]
+    denied_dns_queries: int
+    def __init__(self, counters: _Optional[_Iterable[_Union[NetworkCounter, _Mapping]]] = ..., denied: _Optional[_Iterable[_Union[DeniedDestination, _Mapping]]] = ..., denied_names: _Optional[_Iterable[_Union[DeniedName, _Mapping]]] = ..., denied_dns_queries: _Optional[int] = ...) -> None: ...
 
 class Smolfile(_message.Message):
     __slots__ = ("toml", "spec")
@@ -437,18 +479,20 @@ class StepResult(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ok: _Optional[bool] = ..., evidence: _Optional[_Union[Evidence, _Mapping]] = ...) -> None: ...
 
 class RunResponse(_message.Message):
-    __slots__ = ("result", "steps", "machine_id", "error", "duration_ms")
+    __slots__ = ("result", "steps", "machine_id", "error", "duration_ms", "network")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
     result: VerifyResult
     steps: _containers.RepeatedCompositeFieldContainer[StepResult]
     machine_id: str
     error: str
     duration_ms: int
-    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ..., error: _Optional[str] = ..., duration_ms: _Optional[int] = ...) -> None: ...
+    network: NetworkReport
+    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ..., error: _Optional[str] = ..., duration_ms: _Optional[int] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("machine_id", "count")

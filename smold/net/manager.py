@@ -1,0 +1,407 @@
+"""Per-VM host networking: namespace, veth uplink, tap, nftables policy and DNS resolver, set up and torn down.
+
+Layout for machine ``m-<hex>`` (docs/networking.md, "Host side"):
+
+    root namespace                       namespace smol-<hex>                      guest
+    smh<hex> 10.213.N.1/30  <-- veth -->  up0 10.213.N.2/30 (default route)
+                                          tap0 172.16.0.1/30 (gateway, DNS)  <-->  eth0 172.16.0.2/30
+
+Every guest gets the same addresses and MAC (each lives in its own namespace), so forked and restored
+clones need no re-addressing; only the /30 uplink differs per machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pyroute2 import IPRoute
+
+from smold.api.machine import DeniedDestination, NetworkReport
+from smold.smolfile.model import NetworkPolicy
+
+from . import netns, nft
+from .errors import NetError
+from .pool import DEFAULT_POOL, AddressPool, Uplink
+from .resolver import DnsPolicy, DnsServer, Resolve, normalize_name, resolve_on_host
+from .rules import (
+    COUNTERS,
+    GUEST_IF,
+    SET_ALLOW,
+    SET_ALLOW_PORT,
+    SET_DENIED_L4,
+    SET_DENIED_OTHER,
+    TABLE,
+    UPLINK_IF,
+    AllowedDestinations,
+    build_ruleset,
+    network_element,
+    port_element,
+    render,
+)
+
+log = logging.getLogger("smold.net")
+
+NS_PREFIX = "smol-"
+HOST_IF_PREFIX = "smh"
+PEER_IF_PREFIX = "smp"           # the namespace end's name while it is still in the root namespace
+GUEST_NET = ipaddress.IPv4Network("172.16.0.0/30")
+GATEWAY = ipaddress.IPv4Address("172.16.0.1")
+GUEST = ipaddress.IPv4Address("172.16.0.2")
+GUEST_MAC = "02:73:6d:6f:6c:02"  # locally administered; the same in every namespace
+# The gateway's (tap0's) MAC, also the same everywhere: a fork child or restored copy keeps the ARP entry it
+# had for its gateway, which must stay valid in its new namespace.
+GATEWAY_MAC = "02:73:6d:6f:6c:01"
+NET_FILE = "net.json"            # in the machine's state directory: what a restarted daemon re-adopts
+
+
+def machine_suffix(machine_id: str) -> str:
+    """The 12 hex digits of ``m-<12 hex>`` (interface names are at most 15 characters)."""
+    suffix = machine_id.removeprefix("m-")
+    if not suffix or len(suffix) > 12 or not all(c in "0123456789abcdef" for c in suffix):
+        raise NetError(f"machine id {machine_id!r} is not of the form m-<up to 12 hex digits>")
+    return suffix
+
+
+def namespace_name(machine_id: str) -> str:
+    return NS_PREFIX + machine_suffix(machine_id)
+
+
+def host_if_name(machine_id: str) -> str:
+    return HOST_IF_PREFIX + machine_suffix(machine_id)
+
+
+@dataclass(frozen=True)
+class ResolvedPolicy:
+    """A NetworkPolicy with its names resolved on the host: the nft destinations and the DNS names."""
+
+    allowed: AllowedDestinations
+    names: dict[str, tuple[ipaddress.IPv4Address, ...]]
+    name_ports: dict[str, tuple[int | None, ...]]   # None: any port
+    ignored: tuple[str, ...] = ()                    # rules that cannot apply (IPv6: the guest has none)
+
+
+def resolve_policy(policy: NetworkPolicy, resolve: Resolve = resolve_on_host) -> ResolvedPolicy:
+    nets: list[ipaddress.IPv4Network] = []
+    ports: list[tuple[ipaddress.IPv4Network, int]] = []
+    names: dict[str, set[ipaddress.IPv4Address]] = {}
+    name_ports: dict[str, set[int | None]] = {}
+    ignored: list[str] = []
+    for rule in policy.allow:
+        if rule.kind == "cidr":
+            net = ipaddress.ip_network(rule.value)
+            if not isinstance(net, ipaddress.IPv4Network):
+                ignored.append(str(rule))
+                continue
+            targets = [net]
+        else:
+            name = normalize_name(rule.value)
+            addrs = set(resolve(name))
+            names.setdefault(name, set()).update(addrs)
+            name_ports.setdefault(name, set()).add(rule.port)
+            targets = [ipaddress.IPv4Network(a) for a in addrs]
+        for t in targets:
+            if rule.port is None:
+                nets.append(t)
+            else:
+                ports.append((t, rule.port))
+    return ResolvedPolicy(
+        AllowedDestinations.of(nets, ports),
+        {n: tuple(sorted(a)) for n, a in names.items()},
+        {n: tuple(sorted(p, key=lambda x: -1 if x is None else x)) for n, p in name_ports.items()},
+        tuple(ignored))
+
+
+@dataclass
+class VmNetwork:
+    """One machine's live host-side network."""
+
+    machine_id: str
+    namespace: str
+    host_if: str
+    uplink: Uplink
+    resolved: ResolvedPolicy
+    guest_link: str = "tap"    # "tap" for a VMM; "veth" when a test's fake guest stands in for it
+    dns: DnsServer | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def allowed(self) -> AllowedDestinations:
+        return self.resolved.allowed
+
+    def launch_prefix(self) -> list[str]:
+        """Run a command inside the namespace (the VMM: it attaches to the tap there)."""
+        return ["nsenter", f"--net={netns.netns_path(self.namespace)}", "--"]
+
+    def vmm_args(self) -> list[str]:
+        """The VMM's --net-* flags (the net-dev contract; docs/networking.md)."""
+        return ["--net-tap", GUEST_IF, "--net-mac", GUEST_MAC, "--net-guest", f"{GUEST}/{GUEST_NET.prefixlen}",
+                "--net-gateway", str(GATEWAY), "--net-dns", str(GATEWAY)]
+
+    def record(self) -> dict[str, object]:
+        return {"namespace": self.namespace, "host_if": self.host_if, "uplink_index": self.uplink.index,
+                "guest_link": self.guest_link}
+
+
+class NetworkManager:
+    """Creates and removes machines' networks; owns the uplink pool. Blocking work runs in threads."""
+
+    def __init__(self, pool: AddressPool | None = None, resolve: Resolve = resolve_on_host,
+                 enable_forwarding: bool = True) -> None:
+        self.pool = pool or AddressPool(DEFAULT_POOL)
+        self.resolve = resolve
+        self.enable_forwarding = enable_forwarding
+        self.networks: dict[str, VmNetwork] = {}
+
+    # --- set up -------------------------------------------------------------------------------------------
+    async def setup(self, machine_id: str, policy: NetworkPolicy, *, guest_link: str = "tap",
+                    state_dir: Path | None = None) -> VmNetwork:
+        """Namespace, uplink, guest link, nftables policy and DNS resolver for one machine; on any failure
+        everything created so far is removed again."""
+        if not policy.enabled:
+            raise NetError("networking is off for this machine")
+        if guest_link not in ("tap", "veth"):
+            raise NetError(f"guest link must be 'tap' or 'veth' (got {guest_link!r})")
+        resolved = await asyncio.to_thread(resolve_policy, policy, self.resolve)
+        for r in resolved.ignored:
+            log.warning("machine %s: allow rule %s ignored (the guest has IPv4 only)", machine_id, r)
+        uplink = self.pool.allocate(machine_id)
+        net = VmNetwork(machine_id, namespace_name(machine_id), host_if_name(machine_id), uplink, resolved,
+                        guest_link)
+        self.networks[machine_id] = net
+        try:
+            await asyncio.to_thread(self._create_links, net)
+            await asyncio.to_thread(nft.apply, net.namespace, render(self.ruleset(net)))
+            await self._start_dns(net)
+            if state_dir is not None:
+                await asyncio.to_thread(_write_record, state_dir, net)
+        except BaseException:
+            await self.teardown(net)
+            raise
+        log.info("machine %s: network namespace %s, uplink %s", machine_id, net.namespace, uplink.network)
+        return net
+
+    async def adopt(self, machine_id: str, policy: NetworkPolicy, state_dir: Path) -> VmNetwork:
+        """Take over a machine's network left by an earlier daemon (namespace and rules still there): claim
+        its uplink and serve DNS again."""
+        try:
+            rec = json.loads((state_dir / NET_FILE).read_text())
+            index = int(rec["uplink_index"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise NetError(f"machine {machine_id}: no usable {NET_FILE}: {e}") from None
+        net = VmNetwork(machine_id, namespace_name(machine_id), host_if_name(machine_id),
+                        self.pool.reserve(index, machine_id),
+                        await asyncio.to_thread(resolve_policy, policy, self.resolve),
+                        str(rec.get("guest_link", "tap")))
+        self.networks[machine_id] = net
+        try:
+            if not netns.namespace_exists(net.namespace) or not await asyncio.to_thread(
+                    nft.table_exists, net.namespace):
+                raise NetError(f"machine {machine_id}: its namespace {net.namespace} or nft table is gone")
+            await asyncio.to_thread(self._allow_resolved, net)
+            await self._start_dns(net)
+        except BaseException:
+            self.networks.pop(machine_id, None)
+            self.pool.release(index)
+            raise
+        return net
+
+    def ruleset(self, net: VmNetwork):  # type: ignore[no-untyped-def]
+        return build_ruleset(net.allowed, gateway=GATEWAY, guest=GUEST)
+
+    def _create_links(self, net: VmNetwork) -> None:
+        if self.enable_forwarding and netns.read_sysctl("net.ipv4.ip_forward") != "1":
+            log.warning("enabling net.ipv4.ip_forward on the host (guest networking routes through it)")
+            netns.write_sysctl("net.ipv4.ip_forward", "1")
+        netns.create_namespace(net.namespace)
+        peer = PEER_IF_PREFIX + machine_suffix(net.machine_id)
+        with IPRoute() as ipr:
+            try:
+                ipr.link("add", ifname=net.host_if, kind="veth", peer=peer)
+                peer_idx = ipr.link_lookup(ifname=peer)[0]
+                ipr.link("set", index=peer_idx, net_ns_fd=str(netns.netns_path(net.namespace)))
+                host_idx = ipr.link_lookup(ifname=net.host_if)[0]
+                ipr.addr("add", index=host_idx, address=str(net.uplink.host), prefixlen=net.uplink.prefixlen)
+                ipr.link("set", index=host_idx, state="up")
+            except Exception as e:
+                raise NetError(f"cannot create the uplink {net.host_if}: {e}") from None
+        netns.in_netns(net.namespace, _configure_namespace, net, peer)
+
+    def _allow_resolved(self, net: VmNetwork) -> None:
+        """Re-adoption: make sure the names' current addresses are in the allowed sets."""
+        for name, addrs in net.resolved.names.items():
+            self._add_name_addresses(net, name, addrs)
+
+    def _add_name_addresses(self, net: VmNetwork, name: str, addrs: Iterable[ipaddress.IPv4Address]) -> None:
+        plain: list[str] = []
+        with_port: list[str] = []
+        nets = list(net.resolved.allowed.networks)
+        ports = list(net.resolved.allowed.ports)
+        for a in addrs:
+            for port in net.resolved.name_ports.get(name, (None,)):
+                if net.allowed.allows(a, port):
+                    continue
+                if port is None:
+                    plain.append(network_element(ipaddress.IPv4Network(a)))
+                    nets.append(ipaddress.IPv4Network(a))
+                else:
+                    with_port.append(port_element(ipaddress.IPv4Network(a), port))
+                    ports.append((ipaddress.IPv4Network(a), port))
+        nft.add_elements(net.namespace, SET_ALLOW, plain)
+        nft.add_elements(net.namespace, SET_ALLOW_PORT, with_port)
+        net.resolved = ResolvedPolicy(AllowedDestinations.of(nets, ports), net.resolved.names,
+                                      net.resolved.name_ports, net.resolved.ignored)
+
+    async def _start_dns(self, net: VmNetwork) -> None:
+        async def on_addresses(name: str, addrs: tuple[ipaddress.IPv4Address, ...]) -> None:
+            async with net.lock:
+                await asyncio.to_thread(self._add_name_addresses, net, name, addrs)
+
+        policy = DnsPolicy(net.resolved.names, self.resolve, on_addresses)
+        udp, tcp = await asyncio.to_thread(netns.in_netns, net.namespace, _dns_sockets)
+        server = DnsServer(policy)
+        try:
+            await server.start(udp, tcp)
+        except BaseException:
+            udp.close()
+            tcp.close()
+            raise
+        net.dns = server
+
+    # --- report -------------------------------------------------------------------------------------------
+    async def report(self, net: VmNetwork) -> NetworkReport:
+        """Named counters, denied destinations and denied DNS names of one machine."""
+        def read() -> tuple[dict[str, int], list[nft.DeniedElement]]:
+            counters = nft.read_counters(net.namespace)
+            denied = nft.read_denied(net.namespace, SET_DENIED_L4) + nft.read_denied(net.namespace, SET_DENIED_OTHER)
+            return counters, denied
+
+        counters, denied = await asyncio.to_thread(read)
+        stats = net.dns.policy.stats() if net.dns is not None else None
+        return NetworkReport(
+            counters=tuple((name, counters.get(name, 0)) for name in COUNTERS),
+            denied=tuple(sorted((DeniedDestination(d.address, d.protocol, d.port, d.packets) for d in denied),
+                                key=lambda d: (d.address, d.protocol, d.port))),
+            denied_names=stats.denied if stats else (),
+            denied_dns_queries=stats.denied_queries if stats else 0)
+
+    # --- tear down ----------------------------------------------------------------------------------------
+    async def teardown(self, net: VmNetwork) -> None:
+        """Stop the resolver, delete the uplink and the namespace (with its tap and nft table)."""
+        if net.dns is not None:
+            await net.dns.close()
+            net.dns = None
+        await asyncio.to_thread(remove_network, net.namespace, net.host_if)
+        self.pool.release(net.uplink.index)
+        self.networks.pop(net.machine_id, None)
+
+    async def teardown_machine(self, machine_id: str) -> None:
+        net = self.networks.get(machine_id)
+        if net is not None:
+            await self.teardown(net)
+        else:
+            await asyncio.to_thread(remove_network, namespace_name(machine_id), host_if_name(machine_id))
+
+    def leftovers(self, machine_id: str) -> list[str]:
+        """What of a machine's network still exists (should be nothing after teardown)."""
+        return network_leftovers(namespace_name(machine_id), host_if_name(machine_id))
+
+    async def clean_orphans(self, keep: Iterable[str] = ()) -> list[str]:
+        """Remove namespaces and uplinks of machines not in ``keep`` (a restarted daemon's leftovers)."""
+        keep_suffixes = {machine_suffix(m) for m in keep}
+        keep_suffixes |= {machine_suffix(m) for m in self.networks}
+
+        def clean() -> list[str]:
+            removed = []
+            for ns in netns.list_namespaces():
+                if ns.startswith(NS_PREFIX) and ns[len(NS_PREFIX):] not in keep_suffixes:
+                    remove_network(ns, HOST_IF_PREFIX + ns[len(NS_PREFIX):])
+                    removed.append(ns)
+            for link in netns.list_links(HOST_IF_PREFIX) + netns.list_links(PEER_IF_PREFIX):
+                if link[3:] not in keep_suffixes and len(link) == 15:
+                    netns.delete_link(link)
+                    removed.append(link)
+            return removed
+
+        removed = await asyncio.to_thread(clean)
+        for r in removed:
+            log.info("removed orphaned network %s", r)
+        return removed
+
+
+def _configure_namespace(net: VmNetwork, peer: str) -> None:
+    """In the machine's namespace: lo, the uplink, the default route, forwarding, and the guest link."""
+    netns.write_sysctl("net.ipv4.ip_forward", "1")
+    with IPRoute() as ipr:
+        try:
+            lo = ipr.link_lookup(ifname="lo")[0]
+            ipr.link("set", index=lo, state="up")
+            up = ipr.link_lookup(ifname=peer)[0]
+            ipr.link("set", index=up, ifname=UPLINK_IF)
+            ipr.addr("add", index=up, address=str(net.uplink.inner), prefixlen=net.uplink.prefixlen)
+            ipr.link("set", index=up, state="up")
+            ipr.route("add", dst="0.0.0.0/0", gateway=str(net.uplink.host))
+            if net.guest_link == "tap":
+                netns.create_tap(GUEST_IF, os.getuid(), os.getgid())
+            else:  # a test's fake guest: the peer "guest0" is moved into the test's guest namespace
+                ipr.link("add", ifname=GUEST_IF, kind="veth", peer="guest0")
+            g = ipr.link_lookup(ifname=GUEST_IF)[0]
+            ipr.link("set", index=g, address=GATEWAY_MAC)
+            ipr.addr("add", index=g, address=str(GATEWAY), prefixlen=GUEST_NET.prefixlen)
+            ipr.link("set", index=g, state="up")
+        except NetError:
+            raise
+        except Exception as e:
+            raise NetError(f"cannot configure namespace {net.namespace}: {e}") from None
+
+
+def _dns_sockets() -> tuple[socket.socket, socket.socket]:
+    """UDP and TCP sockets on the gateway's port 53 (made in the namespace's thread; they stay there)."""
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        for s in (udp, tcp):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((str(GATEWAY), 53))
+        tcp.listen(16)
+    except OSError as e:
+        udp.close()
+        tcp.close()
+        raise NetError(f"cannot bind the DNS resolver to {GATEWAY}:53: {e}") from None
+    return udp, tcp
+
+
+def remove_network(namespace: str, host_if: str) -> None:
+    """Delete the uplink (both veth ends) and the namespace; the tap and nft table go with the namespace."""
+    with contextlib.suppress(NetError):
+        netns.delete_link(host_if)
+    if netns.namespace_exists(namespace):
+        with contextlib.suppress(NetError):  # if the namespace lingers, the tap must not keep it busy
+            netns.in_netns(namespace, netns._delete_link, GUEST_IF)
+        netns.remove_namespace(namespace)
+
+
+def network_leftovers(namespace: str, host_if: str) -> list[str]:
+    out = []
+    if netns.namespace_exists(namespace):
+        out.append(f"network namespace {namespace} still exists")
+        with contextlib.suppress(NetError):
+            if netns.link_exists(GUEST_IF, namespace):
+                out.append(f"tap {GUEST_IF} in {namespace} still exists")
+        if nft.table_exists(namespace, TABLE):
+            out.append(f"nft table {TABLE} in {namespace} still exists")
+    if netns.link_exists(host_if):
+        out.append(f"veth {host_if} still exists")
+    return out
+
+
+def _write_record(state_dir: Path, net: VmNetwork) -> None:
+    (state_dir / NET_FILE).write_text(json.dumps(net.record()) + "\n")

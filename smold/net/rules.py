@@ -1,0 +1,186 @@
+"""The nftables ruleset of one VM's namespace, built as data (``Ruleset``) and rendered for ``nft -f``.
+
+Inside the namespace the guest's link (``tap0``) has the gateway address and ``up0`` leads to the host.
+Forwarded traffic is dropped unless the guest opened it towards an allowed destination (a CIDR, or a
+CIDR and port); the namespace itself accepts from the guest only DNS to the gateway's resolver. Denied
+attempts are counted by named counters (one per dropping rule) and recorded in dynamic sets keyed by
+destination (``denied_l4``: address . protocol . port, ``denied_other``: address . protocol), each
+element with its own counter, so the report can say what the guest tried to reach. Guest traffic leaving
+through ``up0`` is masqueraded to the namespace's uplink address. Syntax: nft(8), "SETS", "COUNTER",
+"DYNAMIC SETS" ("add @set { ... }" from the packet path), "MASQUERADE".
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+TABLE = "smol"
+FAMILY = "inet"
+GUEST_IF = "tap0"
+UPLINK_IF = "up0"
+DNS_PORT = 53
+DENIED_SET_SIZE = 1024
+LOG_RATE = "5/second"
+
+# the named counters, one per rule that drops (read back for the report)
+COUNTER_FORWARD = "denied_forward"    # guest -> a destination not allowed
+COUNTER_INPUT = "denied_input"        # guest -> the namespace itself, other than its DNS resolver
+COUNTER_SPOOF = "denied_spoof"        # guest packets with a source address that is not the guest's
+COUNTER_INBOUND = "denied_inbound"    # unsolicited traffic from the host side towards the guest
+COUNTER_ALLOWED = "allowed_forward"   # new guest connections that were allowed
+COUNTERS = (COUNTER_FORWARD, COUNTER_INPUT, COUNTER_SPOOF, COUNTER_INBOUND, COUNTER_ALLOWED)
+SET_ALLOW = "allow_v4"
+SET_ALLOW_PORT = "allow_v4_port"
+SET_DENIED_L4 = "denied_l4"
+SET_DENIED_OTHER = "denied_other"
+
+
+@dataclass(frozen=True)
+class AllowedDestinations:
+    """Where the guest may connect: whole networks, or a network at one TCP/UDP port (IPv4 only: the guest
+    has no IPv6 address)."""
+
+    networks: tuple[ipaddress.IPv4Network, ...] = ()
+    ports: tuple[tuple[ipaddress.IPv4Network, int], ...] = ()
+
+    @classmethod
+    def of(cls, networks: Iterable[ipaddress.IPv4Network],
+           ports: Iterable[tuple[ipaddress.IPv4Network, int]]) -> AllowedDestinations:
+        """Normalized: overlapping networks collapsed (nft rejects overlapping interval elements), a
+        network+port already covered by an any-port network dropped, sorted."""
+        nets = tuple(ipaddress.collapse_addresses(networks))
+        by_port: dict[int, list[ipaddress.IPv4Network]] = {}
+        for net, port in ports:
+            if not any(net.subnet_of(n) for n in nets):
+                by_port.setdefault(port, []).append(net)
+        pairs = tuple(sorted(((n, p) for p, group in by_port.items() for n in ipaddress.collapse_addresses(group)),
+                             key=lambda np: (np[1], np[0])))
+        return cls(nets, pairs)
+
+    def allows(self, address: ipaddress.IPv4Address, port: int | None = None) -> bool:
+        """Whether the guest may reach ``address`` (at ``port``; None: any port)."""
+        if any(address in n for n in self.networks):
+            return True
+        return port is not None and any(address in n and p == port for n, p in self.ports)
+
+
+@dataclass(frozen=True)
+class NftSet:
+    name: str
+    type: tuple[str, ...]
+    flags: tuple[str, ...] = ()
+    elements: tuple[str, ...] = ()
+    size: int | None = None
+    counter: bool = False
+
+
+@dataclass(frozen=True)
+class NftChain:
+    name: str
+    type: str
+    hook: str
+    priority: str
+    policy: str
+    rules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Ruleset:
+    """One table: its named counters, sets and base chains (rules in nft syntax, in order)."""
+
+    family: str
+    table: str
+    counters: tuple[str, ...]
+    sets: tuple[NftSet, ...]
+    chains: tuple[NftChain, ...] = field(default=())
+
+    def chain(self, name: str) -> NftChain:
+        for c in self.chains:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def set(self, name: str) -> NftSet:
+        for s in self.sets:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+
+def network_element(net: ipaddress.IPv4Network) -> str:
+    return str(net.network_address) if net.prefixlen == 32 else str(net)
+
+
+def port_element(net: ipaddress.IPv4Network, port: int) -> str:
+    return f"{network_element(net)} . {port}"
+
+
+def build_ruleset(allowed: AllowedDestinations, *, gateway: ipaddress.IPv4Address,
+                  guest: ipaddress.IPv4Address, guest_if: str = GUEST_IF, uplink_if: str = UPLINK_IF,
+                  table: str = TABLE) -> Ruleset:
+    """The ruleset for one VM namespace (see the module docstring)."""
+    tcp_udp = "meta l4proto { tcp, udp }"
+    g = f'iifname "{guest_if}"'
+    sets = (
+        NftSet(SET_ALLOW, ("ipv4_addr",), ("interval",), tuple(network_element(n) for n in allowed.networks)),
+        NftSet(SET_ALLOW_PORT, ("ipv4_addr", "inet_service"), ("interval",),
+               tuple(port_element(n, p) for n, p in allowed.ports)),
+        NftSet(SET_DENIED_L4, ("ipv4_addr", "inet_proto", "inet_service"), ("dynamic",), size=DENIED_SET_SIZE,
+               counter=True),
+        NftSet(SET_DENIED_OTHER, ("ipv4_addr", "inet_proto"), ("dynamic",), size=DENIED_SET_SIZE, counter=True),
+    )
+    forward = NftChain("forward", "filter", "forward", "filter", "drop", (
+        "ct state established,related accept",
+        f"{g} ip saddr != {guest} counter name \"{COUNTER_SPOOF}\" drop",
+        f"{g} ip daddr @{SET_ALLOW} counter name \"{COUNTER_ALLOWED}\" accept",
+        f"{g} {tcp_udp} ip daddr . th dport @{SET_ALLOW_PORT} counter name \"{COUNTER_ALLOWED}\" accept",
+        f"{g} {tcp_udp} add @{SET_DENIED_L4} {{ ip daddr . meta l4proto . th dport }}",
+        f"{g} meta nfproto ipv4 meta l4proto != {{ tcp, udp }} add @{SET_DENIED_OTHER} {{ ip daddr . meta l4proto }}",
+        f"{g} counter name \"{COUNTER_FORWARD}\" limit rate {LOG_RATE} log prefix \"smol-deny \" drop",
+        f"{g} drop",
+        f'iifname "{uplink_if}" counter name "{COUNTER_INBOUND}" drop',
+    ))
+    input_ = NftChain("input", "filter", "input", "filter", "drop", (
+        'iif "lo" accept',
+        "ct state established,related accept",
+        f"{g} ip daddr {gateway} udp dport {DNS_PORT} accept",
+        f"{g} ip daddr {gateway} tcp dport {DNS_PORT} accept",
+        f"{g} meta nfproto ipv4 meta l4proto != {{ tcp, udp }} add @{SET_DENIED_OTHER} {{ ip daddr . meta l4proto }}",
+        f"{g} {tcp_udp} add @{SET_DENIED_L4} {{ ip daddr . meta l4proto . th dport }}",
+        f"{g} counter name \"{COUNTER_INPUT}\" drop",
+        f'iifname "{uplink_if}" counter name "{COUNTER_INBOUND}" drop',
+    ))
+    # the namespace originates nothing but the resolver's replies (established) and ARP
+    output = NftChain("output", "filter", "output", "filter", "accept", ())
+    postrouting = NftChain("postrouting", "nat", "postrouting", "srcnat", "accept", (
+        f'oifname "{uplink_if}" ip saddr {guest} masquerade',
+    ))
+    return Ruleset(FAMILY, table, COUNTERS, sets, (forward, input_, output, postrouting))
+
+
+def render(rs: Ruleset) -> str:
+    """The ruleset as an ``nft -f`` script that (re)creates the table atomically."""
+    out = [f"table {rs.family} {rs.table} {{}}", f"delete table {rs.family} {rs.table}",
+           f"table {rs.family} {rs.table} {{"]
+    for name in rs.counters:
+        out.append(f"\tcounter {name} {{ }}")
+    for s in rs.sets:
+        body = [f"type {' . '.join(s.type)};"]
+        if s.flags:
+            body.append(f"flags {', '.join(s.flags)};")
+        if s.size is not None:
+            body.append(f"size {s.size};")
+        if s.counter:
+            body.append("counter;")
+        if s.elements:
+            body.append(f"elements = {{ {', '.join(s.elements)} }};")
+        out.append(f"\tset {s.name} {{ {' '.join(body)} }}")
+    for c in rs.chains:
+        out.append(f"\tchain {c.name} {{")
+        out.append(f"\t\ttype {c.type} hook {c.hook} priority {c.priority}; policy {c.policy};")
+        out.extend(f"\t\t{r}" for r in c.rules)
+        out.append("\t}")
+    out.append("}")
+    return "\n".join(out) + "\n"

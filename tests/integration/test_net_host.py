@@ -1,0 +1,207 @@
+"""The host side of guest networking on real namespaces, with a fake guest instead of a VM (root, nft)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from pyroute2 import IPRoute
+
+from smold.net import AddressPool, NetworkManager, netns
+from smold.net import dns as dnsmsg
+from smold.net.manager import GATEWAY, GUEST, network_leftovers
+from smold.smolfile.model import AllowRule, NetworkPolicy
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)"),
+    pytest.mark.skipif(not all(shutil.which(t) for t in ("nft", "nsenter")), reason="needs nft and nsenter"),
+]
+
+HTTP_PORT = 8080
+OTHER_PORT = 9090
+
+
+def _add_host(tag: str, name: str, subnet: str) -> tuple[str, str]:
+    """A namespace ``name`` linked to the root namespace by a veth, holding .2 of subnet (.1 in root)."""
+    net = ipaddress.IPv4Network(subnet)
+    root_if = f"smt{tag}{name[-1]}"
+    netns.create_namespace(name)
+    with IPRoute() as ipr:
+        ipr.link("add", ifname=root_if, kind="veth", peer=root_if + "p")
+        peer = ipr.link_lookup(ifname=root_if + "p")[0]
+        ipr.link("set", index=peer, net_ns_fd=str(netns.netns_path(name)))
+        idx = ipr.link_lookup(ifname=root_if)[0]
+        ipr.addr("add", index=idx, address=str(net.network_address + 1), prefixlen=net.prefixlen)
+        ipr.link("set", index=idx, state="up")
+
+    def inside() -> None:
+        with IPRoute() as ipr:
+            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+            i = ipr.link_lookup(ifname=root_if + "p")[0]
+            ipr.addr("add", index=i, address=str(net.network_address + 2), prefixlen=net.prefixlen)
+            ipr.link("set", index=i, state="up")
+            ipr.route("add", dst="0.0.0.0/0", gateway=str(net.network_address + 1))
+
+    netns.in_netns(None, netns.in_netns, name, inside)
+    return root_if, str(net.network_address + 2)
+
+
+def _http_server(ns: str, addr: str, port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(["nsenter", f"--net={netns.netns_path(ns)}", "--", sys.executable, "-m", "http.server",
+                             "--bind", addr, str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # wait until it listens (probed from inside its namespace)
+        def probe() -> bool:
+            with contextlib.suppress(OSError), socket.create_connection((addr, port), timeout=1):
+                return True
+            return False
+        if netns.in_netns(ns, probe):
+            return proc
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"http server {addr}:{port} in {ns} did not start")
+
+
+@pytest.fixture
+def world() -> Iterator[dict[str, str]]:
+    tag = secrets.token_hex(2)
+    names = {"a": f"smt-{tag}-a", "b": f"smt-{tag}-b", "g": f"smt-{tag}-g"}
+    links: list[str] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        la, addr_a = _add_host(tag, names["a"], "10.251.1.0/24")
+        links.append(la)
+        lb, addr_b = _add_host(tag, names["b"], "10.251.2.0/24")
+        links.append(lb)
+        netns.create_namespace(names["g"])
+        procs += [_http_server(names["a"], addr_a, HTTP_PORT), _http_server(names["a"], addr_a, OTHER_PORT),
+                  _http_server(names["b"], addr_b, HTTP_PORT)]
+        yield {**names, "addr_a": addr_a, "addr_b": addr_b}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        for link in links:
+            with contextlib.suppress(Exception):
+                netns.delete_link(link)
+        for ns in names.values():
+            with contextlib.suppress(Exception):
+                netns.remove_namespace(ns)
+
+
+def _attach_fake_guest(vm_ns: str, guest_ns: str) -> None:
+    """Move the VM namespace's "guest0" veth end into guest_ns as the guest's eth0 (172.16.0.2/30)."""
+    def move() -> None:
+        with IPRoute() as ipr:
+            ipr.link("set", index=ipr.link_lookup(ifname="guest0")[0], net_ns_fd=str(netns.netns_path(guest_ns)))
+
+    def configure() -> None:
+        with IPRoute() as ipr:
+            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+            i = ipr.link_lookup(ifname="guest0")[0]
+            ipr.addr("add", index=i, address=str(GUEST), prefixlen=30)
+            ipr.link("set", index=i, state="up")
+            ipr.route("add", dst="0.0.0.0/0", gateway=str(GATEWAY))
+
+    netns.in_netns(vm_ns, move)
+    netns.in_netns(guest_ns, configure)
+
+
+def _http_get(addr: str, port: int) -> str:
+    """GET / (as the guest); "ok" or the error's class name."""
+    try:
+        with socket.create_connection((addr, port), timeout=2) as s:
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            data = s.recv(64)
+        return "ok" if data.startswith(b"HTTP/1.0 200") else f"bad reply {data!r}"
+    except OSError as e:
+        return type(e).__name__
+
+
+def _dns(name: str, tcp: bool = False) -> dnsmsg.Response:
+    q = dnsmsg.build_query(name, ident=0x4242)
+    if tcp:
+        with socket.create_connection((str(GATEWAY), 53), timeout=3) as s:
+            s.sendall(len(q).to_bytes(2, "big") + q)
+            n = int.from_bytes(s.recv(2), "big")
+            buf = b""
+            while len(buf) < n:
+                buf += s.recv(n - len(buf))
+            return dnsmsg.parse_response(buf)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(3)
+        s.sendto(q, (str(GATEWAY), 53))
+        return dnsmsg.parse_response(s.recv(512))
+
+
+async def test_allowlist_enforced_reported_and_torn_down(world: dict[str, str]) -> None:
+    addr_a = ipaddress.IPv4Address(world["addr_a"])
+    hosts = {"hosta.test": [addr_a]}
+    mgr = NetworkManager(AddressPool("10.214.0.0/24"), resolve=lambda n: hosts.get(n, []))
+    policy = NetworkPolicy((AllowRule("host", "hosta.test", HTTP_PORT),))
+    mid = f"m-{secrets.token_hex(6)}"
+    net = await mgr.setup(mid, policy, guest_link="veth")
+    try:
+        _attach_fake_guest(net.namespace, world["g"])
+        g = world["g"]
+
+        async def as_guest(fn, *args):  # type: ignore[no-untyped-def]
+            return await asyncio.to_thread(netns.in_netns, g, fn, *args)
+
+        assert await as_guest(_http_get, world["addr_a"], HTTP_PORT) == "ok"
+        assert await as_guest(_http_get, world["addr_b"], HTTP_PORT) != "ok"
+        assert await as_guest(_http_get, world["addr_a"], OTHER_PORT) != "ok"
+        # the namespace itself: only DNS on the gateway (no other port there)
+        assert await as_guest(_http_get, str(GATEWAY), 22) != "ok"
+
+        ok = await as_guest(_dns, "HostA.test.")
+        assert ok.rcode == dnsmsg.RCODE_NOERROR and ok.addresses == (addr_a,)
+        ok_tcp = await as_guest(_dns, "hosta.test", True)
+        assert ok_tcp.addresses == (addr_a,)
+        bad = await as_guest(_dns, "secret-data.evil.test")
+        assert bad.rcode == dnsmsg.RCODE_NXDOMAIN and bad.addresses == ()
+
+        report = await mgr.report(net)
+        counters = dict(report.counters)
+        assert counters["denied_forward"] >= 2
+        assert counters["denied_input"] >= 1
+        assert counters["allowed_forward"] >= 1
+        denied = {(d.address, d.protocol, d.port) for d in report.denied}
+        assert (world["addr_b"], "tcp", HTTP_PORT) in denied
+        assert (world["addr_a"], "tcp", OTHER_PORT) in denied
+        assert (str(GATEWAY), "tcp", 22) in denied
+        assert (world["addr_a"], "tcp", HTTP_PORT) not in denied
+        assert dict(report.denied_names) == {"secret-data.evil.test": 1}
+    finally:
+        await mgr.teardown(net)
+    assert network_leftovers(net.namespace, net.host_if) == []
+    assert net.namespace not in netns.list_namespaces()
+    assert not netns.link_exists(net.host_if)
+    assert mgr.pool.in_use() == {}
+
+
+async def test_orphans_are_removed() -> None:
+    mgr = NetworkManager(AddressPool("10.214.1.0/24"), resolve=lambda n: [])
+    mid = f"m-{secrets.token_hex(6)}"
+    net = await mgr.setup(mid, NetworkPolicy((AllowRule("cidr", "10.251.9.0/24"),)))
+    assert net.namespace in netns.list_namespaces()
+    assert netns.link_exists("tap0", net.namespace)
+    # a new daemon (fresh manager) finds it orphaned: nothing of it must survive
+    if net.dns is not None:
+        await net.dns.close()
+    fresh = NetworkManager(AddressPool("10.214.1.0/24"))
+    others = [f"m-{ns[5:]}" for ns in netns.list_namespaces() if ns.startswith("smol-") and ns != net.namespace]
+    removed = await fresh.clean_orphans(keep=others)  # never another test's or daemon's namespace
+    assert net.namespace in removed
+    assert network_leftovers(net.namespace, net.host_if) == []

@@ -1,0 +1,144 @@
+"""The daemon with networked machines (host-agent launcher, real namespaces; root, nft, nsenter)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import grpc
+import pytest
+import test_daemon
+from test_daemon import Env, create, run_exec, spec
+
+from smold.api.v1 import smol_pb2 as pb
+from smold.net import netns
+from smold.net.manager import host_if_name, namespace_name, network_leftovers
+
+env = test_daemon.env          # the daemon fixtures, shared
+workdir = test_daemon.workdir
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)"),
+    pytest.mark.skipif(not all(shutil.which(t) for t in ("nft", "nsenter")), reason="needs nft and nsenter"),
+]
+
+
+@pytest.mark.parametrize("env", [{"net_pool": "10.214.2.0/24"}], indirect=True)
+async def test_networked_machine_runs_in_its_namespace_reports_and_leaves_nothing(env: Env) -> None:
+    m = await create(env, spec(network=pb.NetworkPolicy(allow=["10.251.9.0/24", "10.251.10.1:443"])))
+    ns = namespace_name(m.id)
+    assert ns in netns.list_namespaces()
+    assert netns.link_exists("tap0", ns) and netns.link_exists(host_if_name(m.id))
+    # the VM process (here: the agent itself) runs inside the namespace: it sees tap0 and up0, not eth0
+    out, _, ex, _ = await run_exec(env, m.id, ["cat", "/proc/net/dev"])
+    assert ex.exit_code == 0
+    links = {line.split(":")[0].strip() for line in out.decode().splitlines()[2:]}
+    assert links == {"lo", "tap0", "up0"}
+    got = (await env.stub.GetMachine(pb.GetMachineRequest(machine_id=m.id))).machine
+    assert got.HasField("network")
+    assert {c.name for c in got.network.counters} >= {"denied_forward", "denied_input", "allowed_forward"}
+    record = (env.machines_dir / m.id / "net.json").read_text()
+    assert ns in record
+
+    await env.stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))
+    assert network_leftovers(ns, host_if_name(m.id)) == []
+
+
+async def test_network_off_means_no_namespace(env: Env) -> None:
+    m = await create(env)
+    assert namespace_name(m.id) not in netns.list_namespaces()
+    got = (await env.stub.GetMachine(pb.GetMachineRequest(machine_id=m.id))).machine
+    assert not got.HasField("network")
+    out, _, _, _ = await run_exec(env, m.id, ["cat", "/proc/net/dev"])
+    assert "tap0" not in out.decode()
+    await env.stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))
+
+
+async def test_restarted_daemon_removes_orphaned_networks(env: Env) -> None:
+    from smold.net import AddressPool, NetworkManager
+    from smold.smolfile.model import AllowRule, NetworkPolicy
+    mgr = NetworkManager(AddressPool("10.214.3.0/24"), resolve=lambda n: [])
+    net = await mgr.setup("m-0ddba11c0ffe", NetworkPolicy((AllowRule("cidr", "10.251.9.0/24"),)))
+    if net.dns is not None:
+        await net.dns.close()
+    # a daemon starting now does not know this machine: its network is an orphan
+    await env.daemon.controller.network.clean_orphans(
+        keep=[m for m in (f"m-{n[5:]}" for n in netns.list_namespaces() if n.startswith("smol-"))
+              if m != "m-0ddba11c0ffe"])
+    assert network_leftovers(net.namespace, net.host_if) == []
+    with pytest.raises(grpc.aio.AioRpcError):
+        await env.stub.GetMachine(pb.GetMachineRequest(machine_id="m-0ddba11c0ffe"))
+
+
+@pytest.mark.parametrize("env", [{"net_pool": "10.214.4.0/24"}], indirect=True)
+async def test_run_result_carries_the_network_report_and_run_leaves_nothing(env: Env) -> None:
+    sf = spec(network=pb.NetworkPolicy(allow=["10.251.9.0/24"]), task=pb.Command(argv=["true"]),
+              checks=[pb.Check(name="t", command=pb.CommandCheck(argv=["true"]))])
+    resp = await env.stub.Run(pb.RunRequest(smolfile=sf))
+    assert resp.result.passed, resp
+    assert resp.HasField("network")
+    assert dict((c.name, c.packets) for c in resp.network.counters)["denied_forward"] == 0
+    assert network_leftovers(namespace_name(resp.machine_id), host_if_name(resp.machine_id)) == []
+    off = await env.stub.Run(pb.RunRequest(smolfile=spec(task=pb.Command(argv=["true"]))))
+    assert not off.HasField("network")
+
+
+DNS_PROBE = """
+import socket, struct
+q = struct.pack('!HHHHHH', 9, 0x100, 1, 0, 0, 0) + b'\\x04evil\\x04test\\x00' + struct.pack('!HH', 1, 1)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(5)
+s.sendto(q, ('172.16.0.1', 53))
+r = s.recv(512)
+print(struct.unpack('!H', r[:2])[0], r[3] & 15)
+"""
+
+
+def test_restarted_daemon_readopts_the_network_and_cleans_up_the_lost_machine() -> None:
+    import signal
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from daemon_support import DaemonProcess, pid_alive, processes_mentioning, wait_until
+
+    workdir = Path(tempfile.mkdtemp(prefix="smn-", dir="/tmp"))
+    (workdir / "task").mkdir()
+    (workdir / "task" / "Smolfile.toml").write_text(
+        'memory = 256\ncpus = 1\nnetwork = { allow = ["10.251.9.0/24"] }\n')
+
+    def ok(r: subprocess.CompletedProcess[bytes]) -> str:
+        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+        return r.stdout.decode()
+
+    d1 = DaemonProcess(workdir, "--net-pool", "10.214.5.0/24").start()
+    try:
+        keep = ok(d1.smolctl("create", str(workdir / "task"))).strip()
+        lost = ok(d1.smolctl("create", str(workdir / "task"))).strip()
+        lost_pid = int(__import__("json").loads((d1.state / "machines" / lost / "machine.json").read_text())["pid"])
+        d1.kill()  # a crash: the namespaces stay, the resolver (in the daemon) is gone
+        os.kill(lost_pid, signal.SIGKILL)
+        assert wait_until(lambda: not pid_alive(lost_pid))
+        assert {namespace_name(keep), namespace_name(lost)} <= set(netns.list_namespaces())
+
+        d2 = DaemonProcess(workdir, "--net-pool", "10.214.5.0/24").start()
+        try:
+            assert network_leftovers(namespace_name(lost), host_if_name(lost)) == []
+            out = ok(d2.smolctl("exec", keep, "--", sys.executable, "-c", DNS_PROBE))
+            assert out.split() == ["9", "3"]  # the re-adopted machine's resolver answers again: NXDOMAIN
+            ok(d2.smolctl("rm", keep))
+            assert network_leftovers(namespace_name(keep), host_if_name(keep)) == []
+        finally:
+            d2.terminate()
+    finally:
+        d1.kill()
+        for pid in processes_mentioning(str(workdir / "state")):
+            os.kill(pid, signal.SIGKILL)
+        for m in (locals().get("keep"), locals().get("lost")):
+            if m:
+                with __import__("contextlib").suppress(Exception):
+                    from smold.net.manager import remove_network
+                    remove_network(namespace_name(m), host_if_name(m))
+        shutil.rmtree(workdir, ignore_errors=True)
