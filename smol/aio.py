@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -110,7 +111,7 @@ class AsyncClient:
             pb.GetMachineRequest(machine_id=machine_id, console_tail_bytes=console_tail_bytes), timeout=self.timeout))
         return MachineInfo.from_proto(resp.machine)
 
-    async def list(self) -> list[MachineInfo]:
+    async def list(self) -> builtins.list[MachineInfo]:
         resp = await self._call(self._stub.ListMachines(pb.ListMachinesRequest(), timeout=self.timeout))
         return [MachineInfo.from_proto(m) for m in resp.machines]
 
@@ -125,7 +126,7 @@ class AsyncClient:
         except NotFoundError:
             pass
 
-    async def fork(self, machine_id: str, count: int = 1) -> list[AsyncMachine]:
+    async def fork(self, machine_id: str, count: int = 1) -> builtins.list[AsyncMachine]:
         resp = await self._call(self._stub.Fork(pb.ForkRequest(machine_id=machine_id, count=count),
                                                 timeout=self.timeout))
         return [AsyncMachine(self, MachineInfo.from_proto(m)) for m in resp.machines]
@@ -138,7 +139,7 @@ class AsyncClient:
     # --- commands ---------------------------------------------------------------------------------------------
     async def exec_stream(self, machine_id: str, argv: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
                           cwd: str | None = None, user: str | None = None, stdin: bytes | str | None = None,
-                          timeout: float | None = None) -> AsyncIterator[ExecEvent]:
+                          timeout: float | None = None) -> AsyncGenerator[ExecEvent, None]:
         """Yield Stdout/Stderr chunks as they come, then one Exit. Leaving early (or cancelling) kills it."""
         req = c.exec_request(machine_id, argv, env=env, cwd=cwd, user=user, stdin=stdin, timeout=timeout)
         call = self._stub.Exec(req)
@@ -224,7 +225,7 @@ class AsyncMachine:
     async def verify(self, checks: Sequence[pb.Check] = ()) -> VerifyResult:
         return await self.client.verify(self.id, checks)
 
-    async def fork(self, count: int = 1) -> list[AsyncMachine]:
+    async def fork(self, count: int = 1) -> builtins.list[AsyncMachine]:
         return await self.client.fork(self.id, count)
 
     async def snapshot(self, name: str) -> pb.Checkpoint:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -87,7 +88,7 @@ class Client:
                                                                       console_tail_bytes=console_tail_bytes))
         return MachineInfo.from_proto(resp.machine)
 
-    def list(self) -> list[MachineInfo]:
+    def list(self) -> builtins.list[MachineInfo]:
         return [MachineInfo.from_proto(m) for m in self._call(self._stub.ListMachines, pb.ListMachinesRequest()).machines]
 
     def attach(self, machine_id: str) -> Machine:
@@ -105,7 +106,7 @@ class Client:
         with contextlib.suppress(Exception):
             self.destroy(machine_id)
 
-    def fork(self, machine_id: str, count: int = 1) -> list[Machine]:
+    def fork(self, machine_id: str, count: int = 1) -> builtins.list[Machine]:
         resp = self._call(self._stub.Fork, pb.ForkRequest(machine_id=machine_id, count=count))
         return [Machine(self, MachineInfo.from_proto(m)) for m in resp.machines]
 
@@ -202,7 +203,7 @@ class Machine:
     def verify(self, checks: Sequence[pb.Check] = ()) -> VerifyResult:
         return self.client.verify(self.id, checks)
 
-    def fork(self, count: int = 1) -> list[Machine]:
+    def fork(self, count: int = 1) -> builtins.list[Machine]:
         return self.client.fork(self.id, count)
 
     def snapshot(self, name: str) -> pb.Checkpoint:

@@ -600,6 +600,8 @@ class Controller:
         m = self._running(ref)
         merged = {**m.smolfile.environ, **(env or {})}
         async with self._agent(m) as client:
+            if guestops.argv_size(argv) > guestops.ARGV_SPILL_BYTES:
+                argv = await guestops.spill_argv(client, m.id, argv)
             stream = client.exec(list(argv), env=merged or None, cwd=cwd or None, user=user or None,
                                  stdin=stdin or None, timeout=timeout)
             try:
