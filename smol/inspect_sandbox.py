@@ -189,10 +189,10 @@ class SmolSandboxEnvironment(SandboxEnvironment):
             raise RuntimeError(f"exec in machine {self.machine_id}: the stream ended without an exit status")
         stdout, stderr = bytes(out).decode("utf-8"), bytes(err).decode("utf-8")  # UnicodeDecodeError per the API
         if done.timed_out:
-            e = TimeoutError(f"Command timed out after {timeout} seconds")
+            timeout_error = TimeoutError(f"Command timed out after {timeout} seconds")
             if stdout or stderr:
-                e.truncated_output = stdout + stderr  # type: ignore[attr-defined]
-            raise e
+                timeout_error.truncated_output = stdout + stderr  # type: ignore[attr-defined]
+            raise timeout_error
         return ExecResult(done.returncode == 0, done.returncode, stdout, stderr)
 
     # --- files ------------------------------------------------------------------------------------------------
