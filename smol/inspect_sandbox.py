@@ -22,7 +22,13 @@ from inspect_ai.util import (
 from pydantic import BaseModel
 
 from .aio import AsyncClient
-from .errors import InvalidArgumentError, PermissionDeniedError, ResourceExhaustedError, SmolError
+from .errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    SmolError,
+)
 from .types import Exit, Stderr, Stdout
 
 NAME_PREFIX = "inspect-"
@@ -181,6 +187,8 @@ class SmolSandboxEnvironment(SandboxEnvironment):
                             truncated_output=bytes(out + err)[:limit].decode("utf-8", errors="replace"))
         except PermissionDeniedError as e:
             raise PermissionError(errno.EACCES, f"cannot run {cmd[0]!r}: {e.details}", cmd[0]) from None
+        except NotFoundError as e:  # no such executable or working directory: a failed command, as in a shell
+            return ExecResult(False, 127, "", f"{cmd[0]}: {e.details}")
         except InvalidArgumentError as e:
             if user and "unknown user" in e.details:  # an Inspect convention: a failed result naming the user
                 return ExecResult(False, 1, "", f"unknown user: {user} ({e.details})")
