@@ -2,8 +2,8 @@
 
 from types import ModuleType
 
-from . import cp, create, exec, fork, logs, ls, rm, run, snapshot, verify
+from . import cp, create, exec, fork, logs, ls, rm, run, run_task, snapshot, verify
 
-COMMANDS: tuple[ModuleType, ...] = (create, ls, exec, cp, verify, rm, run, logs, snapshot, fork)
+COMMANDS: tuple[ModuleType, ...] = (create, ls, exec, cp, verify, rm, run, logs, snapshot, fork, run_task)
 
 __all__ = ["COMMANDS"]
