@@ -6,9 +6,11 @@ each machine gets private /etc and /home (sandbox_launcher) so the add-user chec
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import tempfile
+import tomllib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -61,6 +63,10 @@ async def _machines(daemon: DaemonProcess) -> list[smol.MachineInfo]:
 
 
 def test_registered_through_entry_point() -> None:
+    """pyproject's inspect_ai entry point names the module whose import registers the "smol" sandbox."""
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    module = project["project"]["entry-points"]["inspect_ai"]["smol"]
+    assert importlib.import_module(module).SmolSandboxEnvironment is SmolSandboxEnvironment
     assert registry_find_sandboxenv("smol") is SmolSandboxEnvironment
 
 
