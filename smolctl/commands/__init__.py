@@ -2,8 +2,9 @@
 
 from types import ModuleType
 
-from . import checkpoint, cp, create, exec, fork, image, logs, ls, rm, run, snapshot, verify
+from . import checkpoint, cp, create, exec, fork, image, logs, ls, rm, run, run_task, snapshot, verify
 
-COMMANDS: tuple[ModuleType, ...] = (create, ls, exec, cp, verify, rm, run, logs, snapshot, fork, checkpoint, image)
+COMMANDS: tuple[ModuleType, ...] = (create, ls, exec, cp, verify, rm, run, logs, snapshot, fork, checkpoint, image,
+                                    run_task)
 
 __all__ = ["COMMANDS"]

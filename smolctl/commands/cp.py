@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import re
 import stat
@@ -23,6 +24,7 @@ _REMOTE = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,62}):(/.*)", re.S)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-r", "--recursive", action="store_true",
                    help="copy a directory (as a tar archive): its contents go into the destination directory")
+    p.add_argument("--json", action="store_true", help='print {"src", "dst", "size_bytes"} as JSON')
     p.add_argument("src")
     p.add_argument("dst")
 
@@ -45,9 +47,13 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
     if (src is None) == (dst is None):
         fail("cp: exactly one of SRC and DST must be MACHINE:/path")
     if dst is not None:
-        return _copy_in(Path(args.src), *dst, stub=stub)
-    assert src is not None
-    return _copy_out(*src, Path(args.dst), recursive=args.recursive, stub=stub)
+        size = _copy_in(Path(args.src), *dst, stub=stub)
+    else:
+        assert src is not None
+        size = _copy_out(*src, Path(args.dst), recursive=args.recursive, stub=stub)
+    if args.json:
+        print(json.dumps({"src": args.src, "dst": args.dst, "size_bytes": size}))
+    return 0
 
 
 def _copy_in(host: Path, machine: str, guest: str, *, stub: pb_grpc.SmolStub) -> int:
@@ -67,8 +73,7 @@ def _copy_in(host: Path, machine: str, guest: str, *, stub: pb_grpc.SmolStub) ->
             fail(f"cp: {host}: {e.strerror}")
         req = pb.CopyInRequest(machine_id=machine, path=guest, content=data, format=pb.COPY_FORMAT_FILE,
                                mode=stat.S_IMODE(st.st_mode), mkdirs=True)
-    stub.CopyIn(req)
-    return 0
+    return int(stub.CopyIn(req).size_bytes)
 
 
 def _copy_out(machine: str, guest: str, host: Path, *, recursive: bool, stub: pb_grpc.SmolStub) -> int:
@@ -81,7 +86,7 @@ def _copy_out(machine: str, guest: str, host: Path, *, recursive: bool, stub: pb
                 tar.extractall(host, filter="data")
         except (tarfile.TarError, OSError) as e:
             fail(f"cp: cannot unpack into {host}: {e}")
-        return 0
+        return len(resp.content)
     resp = stub.CopyOut(pb.CopyOutRequest(machine_id=machine, path=guest, format=pb.COPY_FORMAT_FILE))
     if host.is_dir():
         host = host / os.path.basename(guest)
@@ -89,4 +94,4 @@ def _copy_out(machine: str, guest: str, host: Path, *, recursive: bool, stub: pb
         host.write_bytes(resp.content)
     except OSError as e:
         fail(f"cp: {host}: {e.strerror}")
-    return 0
+    return len(resp.content)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from smold.api.v1 import smol_pb2 as pb
@@ -16,6 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("machine", help="machine id or name")
     p.add_argument("-c", "--bytes", type=int, default=65536, help="how much of the log's end to fetch (64 KiB)")
     p.add_argument("-n", "--lines", type=int, help="print only the last N lines")
+    p.add_argument("--json", action="store_true",
+                   help='print {"machine", "state", "failure_reason", "console_tail"} as JSON')
 
 
 def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
@@ -23,6 +26,11 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
     text = m.console_tail
     if args.lines is not None:
         text = "".join(text.splitlines(keepends=True)[-args.lines:]) if args.lines > 0 else ""
+    if args.json:
+        from ..output import state_name
+        print(json.dumps({"machine": m.id, "state": state_name(m.state), "failure_reason": m.failure_reason,
+                          "console_tail": text}, indent=2))
+        return 0
     sys.stdout.write(text)
     if text and not text.endswith("\n"):
         sys.stdout.write("\n")

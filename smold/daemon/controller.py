@@ -715,6 +715,8 @@ class Controller:
         m = self._running(ref)
         merged = {**m.environ, **(env or {})}
         async with self._agent(m) as client:
+            if guestops.argv_size(argv) > guestops.ARGV_SPILL_BYTES:
+                argv = await guestops.spill_argv(client, m.id, argv)
             stream = client.exec(list(argv), env=merged or None, cwd=m.cwd_for(cwd), user=m.user_for(user),
                                  stdin=stdin or None, timeout=timeout)
             try:

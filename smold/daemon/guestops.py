@@ -212,3 +212,28 @@ async def pack_in_guest(client: AgentClient, machine_id: str, path: str, cap: in
 
 def host_file_mode(path: Path) -> int:
     return os.stat(path).st_mode & 0o7777
+
+
+# --- long command lines ------------------------------------------------------------------------------------
+ARGV_SPILL_BYTES = 512 * 1024  # argv larger than this does not fit an EXEC frame (1 MiB of JSON) safely
+_TRAMPOLINE = ("import os,sys\np=sys.argv[1]\na=open(p,'rb').read().split(b'\\0')[:-1]\n"
+               "try:\n os.unlink(p)\nexcept OSError:\n pass\nos.execvp(a[0],a)\n")
+
+
+def argv_size(argv: Sequence[str]) -> int:
+    return sum(len(a.encode("utf-8", "surrogateescape")) + 8 for a in argv)
+
+
+async def spill_argv(client: AgentClient, machine_id: str, argv: Sequence[str]) -> list[str]:
+    """An argv too large for one EXEC frame, written to a guest file and re-exec'd by a python3 trampoline.
+
+    The file is NUL-separated, mode 0644 (the command may run as another user) and removed by the
+    trampoline before it execs the command (left behind if that user may not remove it).
+    """
+    path = f"/tmp/.smol-argv-{secrets.token_hex(8)}"
+    data = b"".join(a.encode("utf-8", "surrogateescape") + b"\0" for a in argv)
+    try:
+        await client.write_file(path, data, mode=0o644, mkdirs=True)
+    except AgentError as e:
+        raise guest_error(e, machine_id) from None
+    return ["python3", "-S", "-c", _TRAMPOLINE, path]

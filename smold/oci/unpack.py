@@ -38,11 +38,11 @@ def _decompressor(raw: BinaryIO) -> BinaryIO:
         return gzip.GzipFile(fileobj=buffered, mode="rb")  # type: ignore[return-value]
     if head == ZSTD_MAGIC:
         try:
-            import zstandard  # type: ignore[import-not-found]
+            import zstandard
         except ImportError:
             raise UnsupportedError("layer is zstd-compressed and the 'zstandard' module is not installed "
                                    "(pip install zstandard)") from None
-        return zstandard.ZstdDecompressor().stream_reader(buffered)  # type: ignore[no-any-return]
+        return zstandard.ZstdDecompressor().stream_reader(buffered)
     return buffered  # type: ignore[return-value]
 
 

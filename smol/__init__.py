@@ -1,0 +1,39 @@
+"""smol: the Python SDK over smold's gRPC API (sync ``Client``, asyncio ``AsyncClient``)."""
+
+from .aio import AsyncClient, AsyncMachine
+from .client import Client, Machine
+from .errors import (
+    AlreadyExistsError,
+    CancelledError,
+    DeadlineExceededError,
+    ExecStreamError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    SmolError,
+    UnavailableError,
+    UnimplementedError,
+)
+from .types import (
+    CheckResult,
+    ExecEvent,
+    ExecResult,
+    Exit,
+    MachineInfo,
+    RunResult,
+    Stderr,
+    Stdout,
+    StepResult,
+    VerifyResult,
+)
+
+__all__ = [
+    "AlreadyExistsError", "AsyncClient", "AsyncMachine", "CancelledError", "CheckResult", "Client",
+    "DeadlineExceededError", "ExecEvent", "ExecResult", "ExecStreamError", "Exit", "FailedPreconditionError",
+    "InternalError", "InvalidArgumentError", "Machine", "MachineInfo", "NotFoundError", "PermissionDeniedError",
+    "ResourceExhaustedError", "RunResult", "SmolError", "Stderr", "StepResult", "Stdout", "UnavailableError",
+    "UnimplementedError", "VerifyResult",
+]

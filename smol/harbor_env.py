@@ -1,0 +1,234 @@
+"""A Harbor environment backed by a smol microVM: ``--environment-import-path smol.harbor_env:SmolEnvironment``.
+
+Harbor (harbor.environments.base.BaseEnvironment) needs Python >= 3.12; where it is not installed this module
+defines a stand-in base with the same constructor and helpers, so the class can be used and tested without it.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import logging
+import shlex
+import tarfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from smolctl import taskdir
+
+from .aio import AsyncClient
+from .errors import NotFoundError
+
+try:  # pragma: no cover - depends on whether Harbor is installed
+    from harbor.environments.base import BaseEnvironment as _Base  # type: ignore[import-not-found]
+    from harbor.environments.base import ExecResult  # type: ignore[import-not-found]
+    HAVE_HARBOR = True
+except ImportError:
+    HAVE_HARBOR = False
+    from dataclasses import dataclass
+
+    @dataclass
+    class ExecResult:  # type: ignore[no-redef]
+        """Harbor's ExecResult: stdout, stderr, return_code."""
+
+        return_code: int
+        stdout: str | None = None
+        stderr: str | None = None
+
+    class _Base:  # type: ignore[no-redef]
+        """The part of Harbor's BaseEnvironment constructor and helpers SmolEnvironment relies on."""
+
+        def __init__(self, environment_dir: Path, environment_name: str, session_id: str, trial_paths: Any,
+                     task_env_config: Any, logger: logging.Logger | None = None, *args: Any,
+                     persistent_env: dict[str, str] | None = None, **kwargs: Any) -> None:
+            self.environment_dir = Path(environment_dir)
+            self.environment_name = environment_name
+            self.session_id = session_id
+            self.trial_paths = trial_paths
+            self.task_env_config = task_env_config
+            self.default_user: str | int | None = None
+            self._persistent_env = dict(persistent_env or {})
+            self.logger = logger or logging.getLogger(__name__)
+            self._validate_definition()
+            self._validate_internet_config()
+
+        def _resolve_user(self, user: str | int | None) -> str | int | None:
+            return user if user is not None else self.default_user
+
+        def _merge_env(self, env: dict[str, str] | None) -> dict[str, str] | None:
+            merged = {**self._persistent_env, **(env or {})}
+            return merged or None
+
+        def _validate_definition(self) -> None: ...
+
+        def _validate_internet_config(self) -> None: ...
+
+TIMEOUT_EXIT = 124  # as timeout(1): what exec returns when timeout_sec passes
+
+
+class SmolEnvironmentType(enum.StrEnum):
+    """Harbor's EnvironmentType has no member for smol; this carries the same ``.value`` protocol."""
+
+    SMOL = "smol"
+
+
+class SmolEnvironment(_Base):
+    """A Harbor trial's environment in a fresh smol microVM, built from the task's environment/Dockerfile.
+
+    The Dockerfile subset is smolctl run-task's (FROM is ignored, WORKDIR/ENV/COPY/RUN run on smol's
+    default image, anything else is refused). The VM has no network: tasks that allow the internet are refused.
+    """
+
+    def __init__(self, *args: Any, socket: str | None = None, **kwargs: Any) -> None:
+        self._socket = socket
+        self._task: taskdir.Task | None = None
+        super().__init__(*args, **kwargs)
+        self.client = AsyncClient(socket)
+        self.machine_id: str | None = None
+
+    @staticmethod
+    def type() -> Any:
+        return SmolEnvironmentType.SMOL
+
+    @property
+    def is_mounted(self) -> bool:
+        return False  # logs are inside the VM; Harbor downloads them
+
+    @property
+    def supports_gpus(self) -> bool:
+        return False
+
+    @property
+    def can_disable_internet(self) -> bool:
+        return True  # smol machines have no network unless a Smolfile allows it
+
+    @property
+    def supports_dynamic_network_policy(self) -> bool:
+        return False
+
+    def _validate_definition(self) -> None:
+        dockerfile = Path(self.environment_dir) / "Dockerfile"
+        task = taskdir.Task(path=Path(self.environment_dir).parent, name=self.environment_name)
+        if dockerfile.exists():
+            try:
+                taskdir._parse_dockerfile(task, dockerfile)
+            except taskdir.TaskError as e:
+                raise ValueError(f"smol environment: {e}") from None
+        self._task = task
+
+    def _validate_internet_config(self) -> None:
+        if getattr(self.task_env_config, "allow_internet", False):
+            raise ValueError("allow_internet=True is not supported by the smol environment yet: its machines have "
+                             "no network (set allow_internet = false in task.toml's [environment])")
+
+    # --- lifecycle --------------------------------------------------------------------------------------------
+    async def start(self, force_build: bool = False) -> None:
+        cpus = getattr(self.task_env_config, "cpus", None)
+        memory = getattr(self.task_env_config, "memory_mb", None)
+        toml = "[timeouts]\nboot = 900\n"
+        if cpus:
+            toml = f"cpus = {int(cpus)}\n" + toml
+        if memory:
+            toml = f'memory = "{int(memory)}M"\n' + toml
+        assert self._task is not None
+        name = f"harbor-{uuid.uuid4().hex[:12]}"
+        machine = await self.client.create(toml=toml, base_dir=self.environment_dir, name=name)
+        self.machine_id = machine.id
+        try:
+            await self._build(self._task, time.monotonic() + float(getattr(self.task_env_config, "build_timeout_sec",
+                                                                            taskdir.DEFAULT_BUILD_TIMEOUT)))
+        except BaseException:
+            await self.stop(delete=True)
+            raise
+
+    async def _build(self, task: taskdir.Task, deadline: float) -> None:
+        for step in task.steps:
+            if step.kind == "copy":
+                *sources, dest = step.args
+                for src in sources:
+                    host = Path(self.environment_dir) / src
+                    if host.is_dir():
+                        await self.upload_dir(host, dest.rstrip("/") or "/")
+                    elif dest.endswith("/") or len(sources) > 1:
+                        await self.upload_file(host, f"{dest.rstrip('/')}/{host.name}")
+                    else:
+                        await self.upload_file(host, dest)
+                continue
+            res = await self.client.exec(self._id, list(step.args), cwd=step.workdir, env=dict(step.env),
+                                         timeout=max(deadline - time.monotonic(), 0.001))
+            if res.exit_code != 0:
+                raise RuntimeError(f"smol environment: Dockerfile line {step.line} failed "
+                                   f"({'timed out' if res.timed_out else f'exit {res.returncode}'}): "
+                                   f"{(res.stdout + res.stderr).decode(errors='replace')[-2000:]}")
+        self._persistent_env: dict[str, str] = {**task.env, **self._persistent_env}
+        res = await self.client.exec(self._id, ["mkdir", "-p", "/logs/agent", "/logs/verifier"])
+        if res.exit_code != 0:
+            raise RuntimeError(f"smol environment: mkdir /logs failed: {res.stderr.decode(errors='replace')}")
+
+    async def stop(self, delete: bool = True) -> None:
+        """Destroy the machine (a smol machine cannot be stopped and kept)."""
+        if self.machine_id is not None:
+            await self.client._destroy_shielded(self.machine_id)
+            self.machine_id = None
+        await self.client.close()
+
+    @property
+    def _id(self) -> str:
+        if self.machine_id is None:
+            raise RuntimeError("smol environment: not started")
+        return self.machine_id
+
+    # --- commands ---------------------------------------------------------------------------------------------
+    async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
+                   timeout_sec: int | None = None, user: str | int | None = None) -> ExecResult:
+        user = self._resolve_user(user)
+        workdir = cwd or (self._task.workdir if self._task else "/")
+        res = await self.client.exec(self._id, ["bash", "-c", command], cwd=workdir, env=self._merge_env(env),
+                                     user=None if user is None else str(user), timeout=timeout_sec)
+        stdout, stderr = res.stdout.decode(errors="replace"), res.stderr.decode(errors="replace")
+        if res.timed_out:
+            return ExecResult(stdout=stdout, stderr=stderr + f"\ncommand timed out after {timeout_sec}s\n",
+                              return_code=TIMEOUT_EXIT)
+        return ExecResult(stdout=stdout, stderr=stderr, return_code=res.returncode)
+
+    # --- files ------------------------------------------------------------------------------------------------
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        src = Path(source_path)
+        await self.client.copy_in(self._id, target_path, src.read_bytes(), mode=src.stat().st_mode & 0o7777,
+                                  mkdirs=True)
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            tar.add(Path(source_dir), arcname=".", recursive=True)
+        await self.client.copy_in(self._id, target_dir, buf.getvalue(), tar=True)
+
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        data = await self.client.copy_out(self._id, source_path)
+        target = Path(target_path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        archive = await self.client.copy_out(self._id, source_dir, tar=True)
+        target = Path(target_dir)
+        target.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:*") as tar:
+            tar.extractall(target, filter="data")  # the guest is untrusted: no links out, no devices, no owners
+
+    async def is_dir(self, path: str, user: str | int | None = None) -> bool:
+        return (await self.exec(f"test -d {shlex.quote(path)}", timeout_sec=60, user=user)).return_code == 0
+
+    async def is_file(self, path: str, user: str | int | None = None) -> bool:
+        try:
+            await self.client.copy_out(self._id, path, max_size=1)
+            return True
+        except NotFoundError:
+            return False
+        except Exception:
+            return (await self.exec(f"test -f {shlex.quote(path)}", timeout_sec=60, user=user)).return_code == 0
+
+
+__all__ = ["HAVE_HARBOR", "ExecResult", "SmolEnvironment"]

@@ -1,0 +1,260 @@
+"""Inspect AI sandbox provider "smol": each sample's sandbox is a smol microVM, destroyed at sample cleanup."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import posixpath
+import shlex
+import stat
+import uuid
+from pathlib import Path
+from typing import Any, Literal, overload
+
+from inspect_ai.util import (
+    ExecResult,
+    OutputLimitExceededError,
+    SandboxEnvironment,
+    SandboxEnvironmentConfigType,
+    SandboxEnvironmentLimits,
+    sandboxenv,
+)
+from pydantic import BaseModel
+
+from .aio import AsyncClient
+from .errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    SmolError,
+)
+from .types import Exit, Stderr, Stdout
+
+NAME_PREFIX = "inspect-"
+DEFAULT_WORKDIR = "/"
+
+# Machines created by this process and not yet destroyed: (socket, machine id). task_cleanup destroys them.
+_LIVE: set[tuple[str, str]] = set()
+
+# One exec that reports what a path is: "none", or its raw st_mode in hex (the `stat -L -c %f` format).
+_PROBE = 'stat -L -c %f -- "$1" 2>/dev/null || echo none'
+
+
+class SmolSandboxConfig(BaseModel, frozen=True):
+    """The provider's configuration: a Smolfile, the working directory, smold's socket."""
+
+    smolfile: str | None = None   # path to a Smolfile.toml (or a directory holding one); None: the empty one
+    workdir: str = DEFAULT_WORKDIR  # relative paths in exec(cwd=), read_file and write_file are under it
+    socket: str | None = None     # smold's Unix socket; None: $SMOL_SOCKET, else /run/smold/smold.sock
+
+
+def _config(config: SandboxEnvironmentConfigType | None) -> SmolSandboxConfig:
+    if config is None:
+        return SmolSandboxConfig()
+    if isinstance(config, str):
+        return SmolSandboxConfig(smolfile=config)
+    if isinstance(config, SmolSandboxConfig):
+        return config
+    raise ValueError(f"smol sandbox: config must be a Smolfile path or SmolSandboxConfig, got {type(config)}")
+
+
+@sandboxenv(name="smol")
+class SmolSandboxEnvironment(SandboxEnvironment):
+    """A smol microVM as an Inspect sandbox. Commands run as root unless ``user`` is given."""
+
+    def __init__(self, client: AsyncClient, machine_id: str, workdir: str) -> None:
+        super().__init__()
+        self.client = client
+        self.machine_id = machine_id
+        self.workdir = workdir
+
+    # --- lifecycle --------------------------------------------------------------------------------------------
+    @classmethod
+    def config_files(cls) -> list[str]:
+        return ["Smolfile.toml"]
+
+    @classmethod
+    def config_deserialize(cls, config: dict[str, Any]) -> BaseModel:
+        return SmolSandboxConfig(**config)
+
+    @classmethod
+    async def task_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None) -> None:
+        cfg = _config(config)
+        if cfg.smolfile is not None and not Path(cfg.smolfile).exists():
+            raise FileNotFoundError(errno.ENOENT, "Smolfile not found", cfg.smolfile)
+
+    @classmethod
+    async def sample_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
+                          metadata: dict[str, str]) -> dict[str, SandboxEnvironment]:
+        cfg = _config(config)
+        client = AsyncClient(cfg.socket)
+        name = f"{NAME_PREFIX}{uuid.uuid4().hex[:16]}"
+        _LIVE.add((client.socket, name))
+        try:
+            machine = await client.create(cfg.smolfile, name=name)  # destroys by name if interrupted
+        except BaseException:
+            _LIVE.discard((client.socket, name))
+            await client.close()
+            raise
+        env = cls(client, machine.id, cfg.workdir)
+        _LIVE.discard((client.socket, name))
+        _LIVE.add((client.socket, machine.id))
+        if cfg.workdir != "/":
+            await env._exec_checked(["mkdir", "-p", "--", cfg.workdir])
+        return {"default": env}
+
+    @classmethod
+    async def sample_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
+                             environments: dict[str, SandboxEnvironment], interrupted: bool) -> None:
+        for env in environments.values():
+            if isinstance(env, SmolSandboxEnvironment):
+                await env.destroy()
+
+    @classmethod
+    async def task_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
+                           cleanup: bool) -> None:
+        if not cleanup:
+            return
+        for socket, machine_id in list(_LIVE):
+            client = AsyncClient(socket)
+            try:
+                with contextlib.suppress(SmolError):
+                    await client.destroy(machine_id)
+            finally:
+                await client.close()
+            _LIVE.discard((socket, machine_id))
+
+    @classmethod
+    async def cli_cleanup(cls, id: str | None) -> None:
+        """Destroy machine ``id``, or every machine this provider made (named inspect-...)."""
+        client = AsyncClient()
+        try:
+            if id is not None:
+                await client.destroy(id)
+                return
+            for m in await client.list():
+                if m.name.startswith(NAME_PREFIX):
+                    with contextlib.suppress(SmolError):
+                        await client.destroy(m.id)
+        finally:
+            await client.close()
+
+    async def destroy(self) -> None:
+        try:
+            await self.client._destroy_shielded(self.machine_id)
+        finally:
+            _LIVE.discard((self.client.socket, self.machine_id))
+            await self.client.close()
+
+    # --- paths ------------------------------------------------------------------------------------------------
+    def _path(self, file: str) -> str:
+        return posixpath.normpath(posixpath.join(self.workdir, file)).replace("//", "/")
+
+    async def _exec_checked(self, argv: list[str]) -> str:
+        res = await self.client.exec(self.machine_id, argv)
+        if res.exit_code != 0:
+            raise RuntimeError(f"{shlex.join(argv)} failed in machine {self.machine_id}: "
+                               f"{res.stderr.decode(errors='replace').strip()}")
+        return res.stdout.decode(errors="replace")
+
+    async def _mode(self, path: str) -> int | None:
+        """The path's st_mode (following links), or None if it does not exist."""
+        out = (await self._exec_checked(["sh", "-c", _PROBE, "sh", path])).strip()
+        return None if out == "none" else int(out, 16)
+
+    # --- exec -------------------------------------------------------------------------------------------------
+    async def exec(self, cmd: list[str], input: str | bytes | None = None, cwd: str | None = None,
+                   env: dict[str, str] | None = None, user: str | None = None, timeout: int | None = None,
+                   timeout_retry: bool = True, concurrency: bool = True) -> ExecResult[str]:
+        limit = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
+        out, err = bytearray(), bytearray()
+        done: Exit | None = None
+        stream = self.client.exec_stream(self.machine_id, cmd, env=env, cwd=self._path(cwd or "."), user=user,
+                                         stdin=input, timeout=timeout)
+        try:
+            async with contextlib.aclosing(stream):
+                async for event in stream:
+                    if isinstance(event, Stdout):
+                        out += event.data
+                    elif isinstance(event, Stderr):
+                        err += event.data
+                    else:
+                        done = event
+                    if len(out) + len(err) > limit:  # leaving the stream kills the command
+                        raise OutputLimitExceededError(
+                            SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE_STR,
+                            truncated_output=bytes(out + err)[:limit].decode("utf-8", errors="replace"))
+        except PermissionDeniedError as e:
+            raise PermissionError(errno.EACCES, f"cannot run {cmd[0]!r}: {e.details}", cmd[0]) from None
+        except NotFoundError as e:  # no such executable or working directory: a failed command, as in a shell
+            return ExecResult(False, 127, "", f"{cmd[0]}: {e.details}")
+        except InvalidArgumentError as e:
+            if user and "unknown user" in e.details:  # an Inspect convention: a failed result naming the user
+                return ExecResult(False, 1, "", f"unknown user: {user} ({e.details})")
+            raise
+        if done is None:
+            raise RuntimeError(f"exec in machine {self.machine_id}: the stream ended without an exit status")
+        stdout, stderr = bytes(out).decode("utf-8"), bytes(err).decode("utf-8")  # UnicodeDecodeError per the API
+        if done.timed_out:
+            timeout_error = TimeoutError(f"Command timed out after {timeout} seconds")
+            if stdout or stderr:
+                timeout_error.truncated_output = stdout + stderr  # type: ignore[attr-defined]
+            raise timeout_error
+        return ExecResult(done.returncode == 0, done.returncode, stdout, stderr)
+
+    # --- files ------------------------------------------------------------------------------------------------
+    async def write_file(self, file: str, contents: str | bytes) -> None:
+        path = self._path(file)
+        mode = await self._mode(path)
+        if mode is not None and stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", file)
+        if mode is not None and not mode & stat.S_IWUSR:  # as Docker: a file its owner cannot write
+            raise PermissionError(errno.EACCES, "Permission denied", file)
+        data = contents.encode("utf-8") if isinstance(contents, str) else contents
+        try:
+            await self.client.copy_in(self.machine_id, path, data, mkdirs=True,
+                                      mode=stat.S_IMODE(mode) if mode is not None else None)
+        except SmolError as e:
+            raise _os_error(e, file) from None
+
+    @overload
+    async def read_file(self, file: str, text: Literal[True] = True) -> str: ...
+
+    @overload
+    async def read_file(self, file: str, text: Literal[False]) -> bytes: ...
+
+    async def read_file(self, file: str, text: bool = True) -> str | bytes:
+        path = self._path(file)
+        mode = await self._mode(path)
+        if mode is None:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", file)
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", file)
+        if not mode & stat.S_IRUSR:  # as Docker: a file its owner cannot read
+            raise PermissionError(errno.EACCES, "Permission denied", file)
+        try:
+            data = await self.client.copy_out(self.machine_id, path,
+                                               max_size=SandboxEnvironmentLimits.MAX_READ_FILE_SIZE)
+        except ResourceExhaustedError:
+            raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_READ_FILE_SIZE_STR, None) from None
+        except SmolError as e:
+            raise _os_error(e, file) from None
+        return data.decode("utf-8") if text else data
+
+
+def _os_error(e: SmolError, file: str) -> Exception:
+    """The OSError Inspect expects for a failed guest file operation."""
+    code = e.guest_code
+    if code == "ENOENT":
+        return FileNotFoundError(errno.ENOENT, "No such file or directory", file)
+    if code in ("EACCES", "EPERM"):
+        return PermissionError(errno.EACCES, "Permission denied", file)
+    if code == "EISDIR":
+        return IsADirectoryError(errno.EISDIR, "Is a directory", file)
+    if code == "ENOTDIR":
+        return NotADirectoryError(errno.ENOTDIR, "Not a directory", file)
+    return OSError(errno.EIO, e.details, file)
+
+
+__all__ = ["SmolSandboxConfig", "SmolSandboxEnvironment"]

@@ -1,0 +1,204 @@
+"""Plain result types of the smol SDK: machines, exec events and results, verifier results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from smold.api.v1 import smol_pb2 as pb
+
+_STATES = {v: k.removeprefix("MACHINE_STATE_").lower() for k, v in pb.MachineState.items()}
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    """A machine as smold reports it; ``state`` is "creating", "running", "failed", ..."""
+
+    id: str
+    name: str
+    state: str
+    cpus: int
+    memory_mib: int
+    image: str
+    image_digest: str
+    smolfile_digest: str
+    created_at: datetime | None
+    failure_reason: str
+    console_tail: str
+    vmm_pid: int
+
+    @classmethod
+    def from_proto(cls, m: pb.Machine) -> MachineInfo:
+        return cls(id=m.id, name=m.name, state=_STATES.get(m.state, str(m.state)), cpus=m.cpus,
+                   memory_mib=m.memory_mib, image=m.image, image_digest=m.image_digest,
+                   smolfile_digest=m.smolfile_digest,
+                   created_at=m.created_at.ToDatetime() if m.HasField("created_at") else None,
+                   failure_reason=m.failure_reason, console_tail=m.console_tail, vmm_pid=m.vmm_pid)
+
+
+@dataclass(frozen=True)
+class Stdout:
+    """A chunk of the command's standard output."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Stderr:
+    """A chunk of the command's standard error."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Exit:
+    """The last event of an exec: ``exit_code`` if it exited, ``signal`` if it was killed."""
+
+    exit_code: int | None
+    signal: int | None
+    timed_out: bool
+    duration_ms: int
+
+    @property
+    def returncode(self) -> int:
+        """Shell convention: the exit code, or 128+N after signal N."""
+        if self.exit_code is not None:
+            return self.exit_code
+        return 128 + (self.signal or 0)
+
+
+ExecEvent = Stdout | Stderr | Exit
+
+
+def exec_event_from_proto(msg: pb.ExecResponse) -> ExecEvent | None:
+    which = msg.WhichOneof("event")
+    if which == "stdout":
+        return Stdout(msg.stdout)
+    if which == "stderr":
+        return Stderr(msg.stderr)
+    if which == "exit":
+        e = msg.exit
+        return Exit(exit_code=e.exit_code if e.HasField("exit_code") else None,
+                    signal=e.signal if e.HasField("signal") else None, timed_out=e.timed_out,
+                    duration_ms=e.duration_ms)
+    return None
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """A command run to completion: all of its output and how it ended."""
+
+    stdout: bytes
+    stderr: bytes
+    exit_code: int | None
+    signal: int | None
+    timed_out: bool
+    duration_ms: int
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    @property
+    def returncode(self) -> int:
+        """Shell convention: the exit code, or 128+N after signal N."""
+        if self.exit_code is not None:
+            return self.exit_code
+        return 128 + (self.signal or 0)
+
+
+class ExecCollector:
+    """Accumulates exec events into an ExecResult."""
+
+    def __init__(self) -> None:
+        self.stdout = bytearray()
+        self.stderr = bytearray()
+        self.exit: Exit | None = None
+
+    def add(self, event: ExecEvent) -> None:
+        if isinstance(event, Stdout):
+            self.stdout += event.data
+        elif isinstance(event, Stderr):
+            self.stderr += event.data
+        else:
+            self.exit = event
+
+    def result(self) -> ExecResult:
+        from .errors import ExecStreamError
+        if self.exit is None:
+            raise ExecStreamError("the exec stream ended without an exit status")
+        e = self.exit
+        return ExecResult(bytes(self.stdout), bytes(self.stderr), e.exit_code, e.signal, e.timed_out, e.duration_ms)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One verifier check's verdict and evidence."""
+
+    name: str
+    kind: str
+    passed: bool
+    exit_code: int | None
+    output_tail: str
+    detail: str
+    timed_out: bool
+    duration_ms: int
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The verifier's verdict: passed iff there is at least one check and all passed."""
+
+    passed: bool
+    checks: list[CheckResult] = field(default_factory=list)
+    image_digest: str = ""
+    smolfile_digest: str = ""
+    duration_ms: int = 0
+
+    @classmethod
+    def from_proto(cls, r: pb.VerifyResult) -> VerifyResult:
+        checks = [CheckResult(name=c.name, kind=c.kind, passed=c.passed,
+                              exit_code=c.evidence.exit_code if c.evidence.HasField("exit_code") else None,
+                              output_tail=c.evidence.output_tail, detail=c.evidence.detail,
+                              timed_out=c.evidence.timed_out, duration_ms=c.evidence.duration_ms)
+                  for c in r.checks]
+        return cls(passed=r.passed, checks=checks, image_digest=r.image_digest, smolfile_digest=r.smolfile_digest,
+                   duration_ms=r.duration_ms)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A setup step or the task as it ran during a one-shot Run."""
+
+    name: str
+    ok: bool
+    exit_code: int | None
+    output_tail: str
+    detail: str
+    timed_out: bool
+    duration_ms: int
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A one-shot Run: the verifier's result, the steps' evidence, and why it stopped early (``error``)."""
+
+    result: VerifyResult
+    steps: list[StepResult]
+    machine_id: str
+    error: str
+    duration_ms: int
+
+    @property
+    def passed(self) -> bool:
+        return self.result.passed
+
+    @classmethod
+    def from_proto(cls, r: pb.RunResponse) -> RunResult:
+        steps = [StepResult(name=s.name, ok=s.ok,
+                            exit_code=s.evidence.exit_code if s.evidence.HasField("exit_code") else None,
+                            output_tail=s.evidence.output_tail, detail=s.evidence.detail,
+                            timed_out=s.evidence.timed_out, duration_ms=s.evidence.duration_ms)
+                 for s in r.steps]
+        return cls(result=VerifyResult.from_proto(r.result), steps=steps, machine_id=r.machine_id, error=r.error,
+                   duration_ms=r.duration_ms)

@@ -1,0 +1,207 @@
+"""smolctl run-task DIR: run a Harbor/Terminal-Bench task with its oracle solution and print the reward."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tarfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from smold.api.v1 import smol_pb2 as pb
+from smold.api.v1 import smol_pb2_grpc as pb_grpc
+
+from .. import taskdir
+from ..client import fail, write_err
+
+NAME = "run-task"
+HELP = ("run a Harbor/Terminal-Bench task directory with its oracle solution (solution/solve.sh) and print "
+        "the verifier's reward (exit 0 if the reward is at least 1, 1 if less)")
+REWARD_TXT = "/logs/verifier/reward.txt"
+REWARD_JSON = "/logs/verifier/reward.json"
+BOOT_TIMEOUT = 900
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task", help="the task directory (instruction.md, task.toml, environment/, solution/, tests/)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--keep", action="store_true", help="leave the machine running afterwards (prints its id)")
+
+
+def _tar(paths: list[tuple[Path, str]]) -> bytes:
+    """A tar archive holding each host path (file or directory contents) under its archive name."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for src, arcname in paths:
+            tar.add(src, arcname=arcname, recursive=True)
+    return buf.getvalue()
+
+
+class _Runner:
+    def __init__(self, stub: pb_grpc.SmolStub, machine_id: str) -> None:
+        self.stub, self.machine_id = stub, machine_id
+        self.steps: list[dict[str, Any]] = []
+
+    def exec(self, name: str, argv: list[str], *, cwd: str, env: dict[str, str], timeout: float) -> bool:
+        start = time.monotonic()
+        req = pb.ExecRequest(machine_id=self.machine_id, argv=argv, cwd=cwd, env=env,
+                             timeout_seconds=max(timeout, 0.001))
+        out = bytearray()
+        code: int | None = None
+        sig: int | None = None
+        timed_out = False
+        try:
+            for msg in self.stub.Exec(req):
+                which = msg.WhichOneof("event")
+                if which in ("stdout", "stderr"):
+                    out += getattr(msg, which)
+                elif which == "exit":
+                    code = msg.exit.exit_code if msg.exit.HasField("exit_code") else None
+                    sig = msg.exit.signal if msg.exit.HasField("signal") else None
+                    timed_out = msg.exit.timed_out
+        except grpc.RpcError as e:
+            out += f"\n{e.details() if isinstance(e, grpc.Call) else e}\n".encode()
+        ok = code == 0 and not timed_out
+        detail = (f"timed out after {timeout:g}s" if timed_out else f"exit {code}" if code is not None
+                  else f"signal {sig}" if sig is not None else "did not run")
+        self.steps.append({"name": name, "ok": ok, "detail": detail, "duration_s": round(time.monotonic() - start, 3),
+                           "output_tail": out[-4096:].decode("utf-8", "replace")})
+        return ok
+
+    def copy_tar(self, archive: bytes, dest: str) -> None:
+        self.stub.CopyIn(pb.CopyInRequest(machine_id=self.machine_id, path=dest, content=archive,
+                                          format=pb.COPY_FORMAT_TAR, mkdirs=True))
+
+
+def _copy_step(r: _Runner, task: taskdir.Task, step: taskdir.Step) -> None:
+    context = task.path / "environment"
+    *sources, dest = step.args
+    for src in sources:
+        host = context / src
+        if host.is_dir():
+            r.copy_tar(_tar([(host, ".")]), dest.rstrip("/") or "/")
+        elif dest.endswith("/") or len(sources) > 1:
+            r.copy_tar(_tar([(host, host.name)]), dest.rstrip("/") or "/")
+        else:
+            parent, _, base = dest.rpartition("/")
+            r.copy_tar(_tar([(host, base)]), parent or "/")
+
+
+def _reward(stub: pb_grpc.SmolStub, machine_id: str) -> tuple[float | None, dict[str, float], str]:
+    """The reward (reward.txt, else reward.json's "reward" or its only value), all rewards, and an error."""
+    def read(path: str) -> bytes | None:
+        try:
+            return bytes(stub.CopyOut(pb.CopyOutRequest(machine_id=machine_id, path=path)).content)
+        except grpc.RpcError as e:
+            if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+
+    txt = read(REWARD_TXT)
+    if txt is not None:
+        try:
+            value = float(txt.decode().strip())
+        except (UnicodeDecodeError, ValueError):
+            return None, {}, f"{REWARD_TXT}: not a number: {txt[:100]!r}"
+        return value, {"reward": value}, ""
+    raw = read(REWARD_JSON)
+    if raw is None:
+        return None, {}, f"the verifier wrote neither {REWARD_TXT} nor {REWARD_JSON}"
+    try:
+        doc = json.loads(raw)
+        rewards = {str(k): float(v) for k, v in doc.items()} if isinstance(doc, dict) else {"reward": float(doc)}
+    except (ValueError, TypeError) as e:
+        return None, {}, f"{REWARD_JSON}: {e}"
+    if "reward" in rewards:
+        return rewards["reward"], rewards, ""
+    if len(rewards) == 1:
+        return next(iter(rewards.values())), rewards, ""
+    return None, rewards, f"{REWARD_JSON}: several rewards and none named 'reward'"
+
+
+def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
+    try:
+        task = taskdir.load(Path(args.task))
+    except taskdir.TaskError as e:
+        fail(str(e))
+    sf = pb.SmolfileSpec(image=task.image, env=task.env, timeouts=pb.Timeouts(boot_seconds=BOOT_TIMEOUT),
+                         base_dir=str(task.path.resolve()))
+    if task.cpus is not None:
+        sf.cpus = task.cpus
+    if task.memory_mib is not None:
+        sf.memory_mib = task.memory_mib
+    name = f"task-{uuid.uuid4().hex[:12]}"
+    started = time.monotonic()
+    result: dict[str, Any] = {"task": task.name, "reward": None, "rewards": {}, "passed": False, "error": "",
+                              "machine_id": ""}
+    try:
+        machine = stub.CreateMachine(pb.CreateMachineRequest(name=name, smolfile=pb.Smolfile(spec=sf))).machine
+    except BaseException:
+        _destroy(stub, name)
+        raise
+    result["machine_id"] = machine.id
+    r = _Runner(stub, machine.id)
+    try:
+        result["error"] = _run_task(r, task)
+        if not result["error"]:
+            result["reward"], result["rewards"], result["error"] = _reward(stub, machine.id)
+    finally:
+        if not args.keep:
+            _destroy(stub, machine.id)
+    result["passed"] = result["reward"] is not None and result["reward"] >= 1.0
+    result["steps"] = r.steps
+    result["duration_s"] = round(time.monotonic() - started, 3)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for s in r.steps:
+            print(f"{'ok  ' if s['ok'] else 'FAIL'}  {s['name']}  {s['duration_s']:.2f}s  {s['detail']}")
+            if not s["ok"] and s["output_tail"].strip():
+                for line in s["output_tail"].rstrip().splitlines()[-20:]:
+                    print(f"      | {line}")
+        if result["error"]:
+            print(f"error: {result['error']}")
+        reward = "-" if result["reward"] is None else f"{result['reward']:g}"
+        print(f"{'PASS' if result['passed'] else 'FAIL'}  {task.name}  reward {reward}  "
+              f"({result['duration_s']:.1f}s{', machine ' + machine.id + ' kept' if args.keep else ''})")
+    if result["reward"] is None and result["error"]:
+        write_err(f"smolctl: run-task: {result['error']}\n")
+    return 0 if result["passed"] else 1
+
+
+def _run_task(r: _Runner, task: taskdir.Task) -> str:
+    """Build the environment, run the oracle, run the tests; the reason it stopped early, or ""."""
+    deadline = time.monotonic() + task.build_timeout
+    for step in task.steps:
+        label = f"environment: Dockerfile line {step.line}"
+        if step.kind == "copy":
+            try:
+                _copy_step(r, task, step)
+            except grpc.RpcError as e:
+                return f"{label}: COPY failed: {e.details() if isinstance(e, grpc.Call) else e}"
+            r.steps.append({"name": f"{label} COPY", "ok": True, "detail": "copied", "duration_s": 0.0,
+                            "output_tail": ""})
+        elif not r.exec(f"{label} RUN", list(step.args), cwd=step.workdir, env=dict(step.env),
+                        timeout=deadline - time.monotonic()):
+            return f"{label}: the build step failed (smol builds Dockerfiles offline on its default image)"
+    r.copy_tar(_tar([(task.path / "solution", ".")]), "/solution")
+    r.exec("agent: oracle solution/solve.sh",
+           ["sh", "-c", "mkdir -p /logs/verifier /logs/agent && exec bash /solution/solve.sh"],
+           cwd=task.workdir, env=task.env, timeout=task.agent_timeout)
+    r.copy_tar(_tar([(task.path / "tests", ".")]), "/tests")
+    r.exec("verifier: tests/test.sh", ["sh", "-c", "mkdir -p /logs/verifier && exec bash /tests/test.sh"],
+           cwd=task.workdir, env={**task.env, **task.verifier_env}, timeout=task.verifier_timeout)
+    return ""
+
+
+def _destroy(stub: pb_grpc.SmolStub, machine_id: str) -> None:
+    try:
+        stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=machine_id))
+    except grpc.RpcError as e:
+        if not (isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.NOT_FOUND):
+            write_err(f"smolctl: run-task: destroying {machine_id}: {e.details() if isinstance(e, grpc.Call) else e}\n")

@@ -1,0 +1,160 @@
+"""A Harbor/Terminal-Bench task directory: task.toml settings and the Dockerfile subset smol can honour."""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_AGENT_TIMEOUT = 600.0
+DEFAULT_VERIFIER_TIMEOUT = 600.0
+DEFAULT_BUILD_TIMEOUT = 600.0
+# Instructions that only matter to a long-running container; a one-shot task run ignores them.
+IGNORED = {"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "MAINTAINER", "HEALTHCHECK", "STOPSIGNAL"}
+
+
+class TaskError(Exception):
+    """The task directory cannot be run by smol (missing file, bad task.toml, unsupported Dockerfile)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One Dockerfile instruction smol runs: COPY (host source under environment/, guest dest) or RUN."""
+
+    kind: str            # "copy" or "run"
+    args: tuple[str, ...]
+    workdir: str
+    env: tuple[tuple[str, str], ...]
+    line: int
+
+
+@dataclass
+class Task:
+    path: Path
+    name: str
+    agent_timeout: float = DEFAULT_AGENT_TIMEOUT
+    verifier_timeout: float = DEFAULT_VERIFIER_TIMEOUT
+    build_timeout: float = DEFAULT_BUILD_TIMEOUT
+    verifier_env: dict[str, str] = field(default_factory=dict)
+    cpus: int | None = None
+    memory_mib: int | None = None
+    image: str = "default"
+    steps: list[Step] = field(default_factory=list)
+    workdir: str = "/"
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _number(table: dict[str, Any], key: str, default: float, where: str) -> float:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise TaskError(f"{where}: {key} must be a positive number (got {value!r})")
+    return float(value)
+
+
+def load(path: Path) -> Task:
+    """Read and check a task directory; TaskError says what smol cannot do with it."""
+    if not path.is_dir():
+        raise TaskError(f"{path}: not a directory")
+    for need in ("tests/test.sh", "solution/solve.sh"):
+        if not (path / need).is_file():
+            raise TaskError(f"{path}: {need} is missing")
+    task = Task(path=path, name=path.resolve().name)
+    toml_path = path / "task.toml"
+    if toml_path.exists():
+        try:
+            doc = tomllib.loads(toml_path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise TaskError(f"{toml_path}: {e}") from None
+        where = str(toml_path)
+        agent, verifier, env = doc.get("agent", {}), doc.get("verifier", {}), doc.get("environment", {})
+        task.agent_timeout = _number(agent, "timeout_sec", DEFAULT_AGENT_TIMEOUT, f"{where}: [agent]")
+        task.verifier_timeout = _number(verifier, "timeout_sec", DEFAULT_VERIFIER_TIMEOUT, f"{where}: [verifier]")
+        task.build_timeout = _number(env, "build_timeout_sec", DEFAULT_BUILD_TIMEOUT, f"{where}: [environment]")
+        task.verifier_env = {str(k): str(v) for k, v in verifier.get("env", {}).items()}
+        if env.get("allow_internet") is True or env.get("network"):
+            raise TaskError(f"{where}: [environment] asks for network access, which smol run-task does not "
+                            "support yet (tasks run with networking off)")
+        if "cpus" in env:
+            task.cpus = int(_number(env, "cpus", 1, f"{where}: [environment]"))
+        if "memory_mb" in env:
+            task.memory_mib = int(_number(env, "memory_mb", 1024, f"{where}: [environment]"))
+        if env.get("docker_image"):
+            raise TaskError(f"{where}: [environment] docker_image {env['docker_image']!r}: smol cannot pull "
+                            "container images; give an environment/Dockerfile that builds on the default image")
+    dockerfile = path / "environment" / "Dockerfile"
+    if dockerfile.exists():
+        _parse_dockerfile(task, dockerfile)
+    return task
+
+
+def _logical_lines(text: str) -> list[tuple[int, str]]:
+    out: list[tuple[int, str]] = []
+    buf, start = "", 0
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if buf and line.startswith("#"):
+            continue
+        if not buf:
+            start = n
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        out.append((start, buf + line))
+        buf = ""
+    if buf:
+        out.append((start, buf))
+    return out
+
+
+def _parse_dockerfile(task: Task, dockerfile: Path) -> None:
+    """WORKDIR, ENV, COPY (from environment/) and RUN become steps; anything else is refused."""
+    context = dockerfile.parent
+    workdir, env = "/", dict[str, str]()
+    for n, line in _logical_lines(dockerfile.read_text(encoding="utf-8")):
+        where = f"{dockerfile}:{n}"
+        op, _, rest = line.partition(" ")
+        op, rest = op.upper(), rest.strip()
+        if op == "FROM":
+            continue  # the machine runs smol's default image; RUN steps that need other packages fail visibly
+        if op in IGNORED:
+            continue
+        if op == "WORKDIR":
+            workdir = rest if rest.startswith("/") else f"{workdir.rstrip('/')}/{rest}"
+            task.steps.append(Step("run", ("mkdir", "-p", workdir), "/", (), n))
+        elif op == "ENV":
+            words = shlex.split(rest)
+            if words and "=" not in words[0]:
+                env[words[0]] = " ".join(words[1:])
+            else:
+                for w in words:
+                    k, sep, v = w.partition("=")
+                    if not sep:
+                        raise TaskError(f"{where}: ENV wants NAME=VALUE")
+                    env[k] = v
+        elif op == "COPY":
+            words = shlex.split(rest)
+            if any(w.startswith("--") for w in words):
+                raise TaskError(f"{where}: COPY options ({rest}) are not supported")
+            if len(words) < 2:
+                raise TaskError(f"{where}: COPY wants SRC... DEST")
+            for src in words[:-1]:
+                host = (context / src).resolve()
+                if not host.is_relative_to(context.resolve()) or not host.exists():
+                    raise TaskError(f"{where}: COPY source {src!r} is not a file or directory under environment/")
+            raw = words[-1] if words[-1].startswith("/") else f"{workdir.rstrip('/')}/{words[-1]}"
+            as_dir = raw.endswith(("/", "/.")) or len(words) > 2  # Docker: then DEST is a directory
+            dest = posixpath.normpath(raw).replace("//", "/") + ("/" if as_dir else "")
+            task.steps.append(Step("copy", (*words[:-1], dest), workdir, tuple(env.items()), n))
+        elif op == "RUN":
+            if rest.startswith("["):
+                raise TaskError(f"{where}: RUN in exec (JSON) form is not supported; use the shell form")
+            task.steps.append(Step("run", ("sh", "-c", rest), workdir, tuple(env.items()), n))
+        else:
+            raise TaskError(f"{where}: {op} is not supported by smol run-task "
+                            "(supported: FROM, WORKDIR, ENV, COPY, RUN)")
+    task.workdir, task.env = workdir, env

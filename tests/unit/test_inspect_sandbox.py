@@ -1,0 +1,116 @@
+"""The Inspect AI sandbox provider "smol" against a real smold (host-agent launcher): Inspect's own self-check.
+
+Every check of ``inspect_ai.util._sandbox.self_check`` runs against SmolSandboxEnvironment; the agent of
+each machine gets private /etc and /home (sandbox_launcher) so the add-user check does not touch the host.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import tempfile
+import tomllib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from daemon_support import DaemonProcess
+from inspect_ai.util._sandbox.registry import registry_find_sandboxenv
+from inspect_ai.util._sandbox.self_check import *  # noqa: F403
+
+import smol
+from smol.inspect_sandbox import SmolSandboxConfig, SmolSandboxEnvironment
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                                 reason="the private-/etc launcher needs root and unshare(1)")]
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    d = Path(tempfile.mkdtemp(prefix="insp-", dir="/tmp"))
+    d.chmod(0o755)  # the exec-as-user check runs commands as a new user in a working directory under it
+    proc = DaemonProcess(d, "--max-copy-bytes", str(128 << 20), launcher="sandbox_launcher:PrivateEtcLauncher")
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _config(daemon: DaemonProcess, name: str) -> SmolSandboxConfig:
+    work = daemon.workdir / "work" / name
+    return SmolSandboxConfig(workdir=str(work), socket=str(daemon.socket))
+
+
+@pytest.fixture
+async def sandbox_env(daemon: DaemonProcess, request: pytest.FixtureRequest) -> AsyncIterator[SmolSandboxEnvironment]:
+    config = _config(daemon, request.node.name)
+    envs = await SmolSandboxEnvironment.sample_init("self-check", config, {})
+    env = envs["default"]
+    assert isinstance(env, SmolSandboxEnvironment)
+    try:
+        yield env
+    finally:
+        await SmolSandboxEnvironment.sample_cleanup("self-check", config, envs, False)
+
+
+async def _machines(daemon: DaemonProcess) -> list[smol.MachineInfo]:
+    async with smol.AsyncClient(daemon.socket) as c:
+        return await c.list()
+
+
+def test_registered_through_entry_point() -> None:
+    """pyproject's inspect_ai entry point names the module whose import registers the "smol" sandbox."""
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    module = project["project"]["entry-points"]["inspect_ai"]["smol"]
+    assert importlib.import_module(module).SmolSandboxEnvironment is SmolSandboxEnvironment
+    assert registry_find_sandboxenv("smol") is SmolSandboxEnvironment
+
+
+async def test_sample_cleanup_destroys_machine(daemon: DaemonProcess) -> None:
+    config = _config(daemon, "cleanup")
+    envs = await SmolSandboxEnvironment.sample_init("t", config, {})
+    env = envs["default"]
+    assert isinstance(env, SmolSandboxEnvironment)
+    assert [m.id for m in await _machines(daemon)] == [env.machine_id]
+    assert (await env.exec(["pwd"])).stdout.strip() == config.workdir
+    await SmolSandboxEnvironment.sample_cleanup("t", config, envs, True)
+    assert await _machines(daemon) == []
+
+
+async def test_task_cleanup_destroys_what_sample_cleanup_missed(daemon: DaemonProcess) -> None:
+    config = _config(daemon, "task-cleanup")
+    await SmolSandboxEnvironment.sample_init("t", config, {})
+    await SmolSandboxEnvironment.sample_init("t", config, {})
+    assert len(await _machines(daemon)) == 2
+    await SmolSandboxEnvironment.task_cleanup("t", config, cleanup=True)
+    assert await _machines(daemon) == []
+
+
+async def test_cli_cleanup_destroys_only_inspect_machines(daemon: DaemonProcess,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SMOL_SOCKET", str(daemon.socket))
+    config = _config(daemon, "cli-cleanup")
+    await SmolSandboxEnvironment.sample_init("t", config, {})
+    async with smol.AsyncClient(daemon.socket) as c:
+        other = await c.create(name="not-inspect")
+        await SmolSandboxEnvironment.cli_cleanup(None)
+        assert [m.id for m in await c.list()] == [other.id]
+        await SmolSandboxEnvironment.cli_cleanup(other.id)
+        assert await c.list() == []
+    await SmolSandboxEnvironment.task_cleanup("t", config, cleanup=True)
+
+
+async def test_exec_output_limit(sandbox_env: SmolSandboxEnvironment) -> None:
+    from inspect_ai.util import OutputLimitExceededError
+    from inspect_ai.util._sandbox.limits import SandboxEnvironmentLimits
+    with pytest.raises(OutputLimitExceededError):
+        await sandbox_env.exec(["sh", "-c", f"head -c {SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE + 1} /dev/zero"])
+
+
+async def test_exec_undecodable_output(sandbox_env: SmolSandboxEnvironment) -> None:
+    with pytest.raises(UnicodeDecodeError):
+        await sandbox_env.exec(["printf", "\\303\\050"])

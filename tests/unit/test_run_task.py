@@ -1,0 +1,122 @@
+"""smolctl run-task on Harbor-format task directories written here, against smold with the host-agent launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_support import DaemonProcess
+
+from smolctl import taskdir
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                                 reason="the task launcher needs root and unshare(1)")]
+
+TEST_SH = """#!/bin/bash
+if [ "$(cat /app/answer.txt 2>/dev/null)" = "$EXPECTED" ]; then echo 1 > /logs/verifier/reward.txt
+else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    d = Path(tempfile.mkdtemp(prefix="rtask-", dir="/tmp"))
+    proc = DaemonProcess(d, launcher="sandbox_launcher:TaskLauncher").start()
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def write_task(root: Path, name: str, solve: str, *, test: str = TEST_SH, toml: str = "",
+               dockerfile: str | None = "FROM debian:bookworm\nWORKDIR /app\nENV EXPECTED=42\n",
+               files: dict[str, str] | None = None) -> Path:
+    t = root / name
+    (t / "solution").mkdir(parents=True)
+    (t / "tests").mkdir()
+    (t / "environment").mkdir()
+    (t / "instruction.md").write_text("Write the answer to /app/answer.txt.\n")
+    (t / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 30.0\n[agent]\ntimeout_sec = 30.0\n'
+                                 + toml)
+    (t / "solution" / "solve.sh").write_text("#!/bin/bash\n" + solve)
+    (t / "tests" / "test.sh").write_text(test)
+    if dockerfile is not None:
+        (t / "environment" / "Dockerfile").write_text(dockerfile)
+    for rel, text in (files or {}).items():
+        p = t / "environment" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return t
+
+
+def run_task(daemon: DaemonProcess, task: Path, *extra: str) -> tuple[int, dict]:
+    res = daemon.smolctl("run-task", str(task), "--json", *extra)
+    assert res.returncode in (0, 1), res.stderr.decode()
+    return res.returncode, json.loads(res.stdout)
+
+
+def test_passing_oracle(daemon: DaemonProcess, tmp_path: Path) -> None:
+    task = write_task(tmp_path, "pass", "echo $EXPECTED > answer.txt\n")
+    code, out = run_task(daemon, task)
+    assert (code, out["reward"], out["passed"], out["error"]) == (0, 1.0, True, "")
+    assert [s["name"].split(":")[0] for s in out["steps"]] == ["environment", "agent", "verifier"]
+    human = daemon.smolctl("run-task", str(task))
+    assert human.returncode == 0 and b"PASS  pass  reward 1" in human.stdout
+
+
+def test_failing_oracle(daemon: DaemonProcess, tmp_path: Path) -> None:
+    task = write_task(tmp_path, "fail", "echo 41 > answer.txt\n")
+    code, out = run_task(daemon, task)
+    assert (code, out["reward"], out["passed"]) == (1, 0.0, False)
+
+
+def test_network_is_off(daemon: DaemonProcess, tmp_path: Path) -> None:
+    solve = ("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 80), timeout=5)\" "
+             "&& echo $EXPECTED > answer.txt\n")
+    code, out = run_task(daemon, write_task(tmp_path, "net", solve))
+    assert (code, out["reward"]) == (1, 0.0)
+    assert "Network is unreachable" in out["steps"][-2]["output_tail"]
+
+
+def test_reward_json_copy_env_and_run_steps(daemon: DaemonProcess, tmp_path: Path) -> None:
+    dockerfile = ("FROM python:3.11-slim\nWORKDIR /app\nENV GREETING=hello \\\n    EXPECTED=hello-data\n"
+                  "COPY data/ /app/data/\nCOPY seed.txt .\nRUN cat seed.txt >> data/in.txt\nCMD [\"bash\"]\n")
+    test = ('#!/bin/bash\nif [ "$(cat /app/answer.txt)" = "$GREETING-$(head -1 /app/data/in.txt)" ] && '
+            'grep -q seeded /app/data/in.txt; then r=1; else r=0; fi\n'
+            'echo "{\\"reward\\": $r, \\"style\\": 0.5}" > /logs/verifier/reward.json\n')
+    task = write_task(tmp_path, "json", 'echo "$GREETING-$(head -1 data/in.txt)" > answer.txt\n', test=test,
+                      dockerfile=dockerfile, files={"data/in.txt": "data\n", "seed.txt": "seeded\n"})
+    code, out = run_task(daemon, task)
+    assert (code, out["reward"], out["rewards"]) == (0, 1.0, {"reward": 1.0, "style": 0.5}), json.dumps(out, indent=1)
+
+
+def test_timeouts_and_missing_reward(daemon: DaemonProcess, tmp_path: Path) -> None:
+    task = write_task(tmp_path, "slow", "sleep 30; echo $EXPECTED > answer.txt\n",
+                      test="#!/bin/bash\ntrue\n")
+    (task / "task.toml").write_text("[agent]\ntimeout_sec = 1.0\n[verifier]\ntimeout_sec = 5.0\n")
+    code, out = run_task(daemon, task)
+    assert code == 1 and out["reward"] is None
+    assert out["steps"][-2]["detail"] == "timed out after 1s"
+    assert "wrote neither" in out["error"]
+
+
+def test_refusals(daemon: DaemonProcess, tmp_path: Path) -> None:
+    net = write_task(tmp_path, "wantsnet", "true\n", toml="[environment]\nallow_internet = true\n")
+    res = daemon.smolctl("run-task", str(net))
+    assert res.returncode == 2 and b"network access" in res.stderr
+    user = write_task(tmp_path, "user", "true\n", dockerfile="FROM debian\nUSER nobody\n")
+    res = daemon.smolctl("run-task", str(user))
+    assert res.returncode == 2 and b"Dockerfile:2: USER is not supported" in res.stderr
+    with pytest.raises(taskdir.TaskError, match="COPY source"):
+        taskdir.load(write_task(tmp_path, "copy", "true\n", dockerfile="COPY ../../etc/passwd /x\n"))
+    with pytest.raises(taskdir.TaskError, match="solve.sh is missing"):
+        (tmp_path / "nosol" / "tests").mkdir(parents=True)
+        (tmp_path / "nosol" / "tests" / "test.sh").write_text("")
+        taskdir.load(tmp_path / "nosol")

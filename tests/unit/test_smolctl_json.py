@@ -1,0 +1,47 @@
+"""--json on smolctl rm, cp and logs (the other commands' --json are tested with them)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_support import DaemonProcess
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    d = Path(tempfile.mkdtemp(prefix="cjson-", dir="/tmp"))
+    proc = DaemonProcess(d).start()
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_cp_logs_rm_json(daemon: DaemonProcess) -> None:
+    sf = daemon.workdir / "Smolfile.toml"
+    sf.write_text("")
+    mid = daemon.smolctl("create", str(sf)).stdout.decode().strip()
+    src = daemon.workdir / "f.txt"
+    src.write_text("hello")
+    guest = daemon.workdir / "guest"
+    r = daemon.smolctl("cp", "--json", str(src), f"{mid}:{guest}/f.txt")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"src": str(src), "dst": f"{mid}:{guest}/f.txt", "size_bytes": 5}
+    back = daemon.workdir / "back.txt"
+    r = daemon.smolctl("cp", "--json", f"{mid}:{guest}/f.txt", str(back))
+    assert json.loads(r.stdout)["size_bytes"] == 5 and back.read_text() == "hello"
+    logs = json.loads(daemon.smolctl("logs", "--json", mid).stdout)
+    assert logs["machine"] == mid and logs["state"] == "running" and isinstance(logs["console_tail"], str)
+    r = daemon.smolctl("rm", "--json", mid, "no-such-machine")
+    assert r.returncode == 2
+    out = json.loads(r.stdout)
+    assert [(x["machine"], x["destroyed"]) for x in out] == [(mid, True), ("no-such-machine", False)]
+    assert "no-such-machine" in out[1]["error"] and r.stderr == b""
