@@ -9,6 +9,7 @@ _PROCESS_START = time.monotonic()
 
 import argparse  # noqa: E402  (the start time above is taken before any import work)
 import asyncio  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
@@ -21,6 +22,7 @@ from smold.kvm import is_pvm  # noqa: E402
 from smold.kvm.cpuid import default_vcpus  # noqa: E402
 from smold.snapshot.errors import SnapshotError  # noqa: E402
 from smold.snapshot.state import VmSnapshot  # noqa: E402
+from smold.vmm.console import DEFAULT_CONSOLE_LOG_MAX  # noqa: E402
 from smold.vmm.control import snapshot_info  # noqa: E402
 from smold.vmm.machine import (  # noqa: E402
     DEFAULT_CMDLINE,
@@ -54,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="where vsock.sock, console.log, ready.json, exit.json live (default: a temp dir, "
                          "removed at exit)")
     ap.add_argument("--console-log", type=Path, help="serial console log (default: STATE_DIR/console.log)")
+    ap.add_argument("--console-log-max", type=int, default=DEFAULT_CONSOLE_LOG_MAX >> 20, metavar="MIB",
+                    help="rotate the console log at this size, keeping one older file (default: %(default)s MiB)")
     ap.add_argument("--console", action="store_true", help="also copy the serial console to stderr")
     ap.add_argument("--cmdline", default=DEFAULT_CMDLINE, help="base kernel command line")
     ap.add_argument("--cmdline-extra", default="", help="appended to the kernel command line")
@@ -182,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 hostname=args.hostname if args.hostname is not None else "smol",
                 vsock_cid=args.cid if args.cid is not None else 3,
                 console_log=args.console_log, console_stream=console_stream, net=net)
+        config = dataclasses.replace(config, console_log_max=args.console_log_max << 20)
         config.validate()
     except MachineError as e:
         print(f"error: {e}", file=sys.stderr)
