@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import ipaddress
 import logging
@@ -69,7 +68,7 @@ from smold.snapshot.state import (
     VirtioSlotState,
     VmSnapshot,
 )
-from smold.snapshot.store import memory_path, read_snapshot, write_memory, write_state
+from smold.snapshot.store import memory_path, read_snapshot, write_snapshot
 from smold.vmm.console import DEFAULT_CONSOLE_LOG_MAX, ConsoleLog
 from smold.vmm.vcpu import VcpuExit, VcpuThread, install_kick_handler
 
@@ -678,15 +677,15 @@ class Machine:
             try:
                 state = self.capture()
                 t_state = time.monotonic()
-                mem = write_memory(directory, self.mem, digest=digest, durable=durable)
-                t_mem = time.monotonic()
-                size = write_state(directory, dataclasses.replace(state, memory=mem.state))
+                parts: dict[str, float] = {}
+                size, mem = write_snapshot(directory, self.mem, state, digest=digest, durable=durable,
+                                           timings=parts)
                 t_end = time.monotonic()
             finally:
                 if resume:
                     self.resume()
-            timings = {"pause": t_paused - t0, "capture": t_state - t_paused, "memory": t_mem - t_state,
-                       "state": t_end - t_mem, "total": t_end - t0}
+            timings = {"pause": t_paused - t0, "capture": t_state - t_paused, "memory": parts["memory"],
+                       "state": parts["state"], "total": t_end - t0}
             log.info("snapshot %s: %s", directory, timings)
             return SnapshotResult(directory, size, self.mem.size, mem.bytes_written, timings)
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
-import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tmpfs_support import tiny_tmpfs
 
 from smold.devices.irq import CountingIrq
 from smold.devices.serial import Serial
@@ -77,21 +74,6 @@ def test_existing_log_counts_towards_the_cap(tmp_path: Path) -> None:
 def test_cap_must_be_sane(tmp_path: Path) -> None:
     with pytest.raises(ConsoleLogError):
         ConsoleLog(tmp_path / "c.log", None, 100)
-
-
-@contextlib.contextmanager
-def tiny_tmpfs(size: str) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    d = Path(tempfile.mkdtemp(prefix="smol-tiny-"))
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], check=True)
-        try:
-            yield d
-        finally:
-            subprocess.run(["umount", str(d)], check=True)
-    finally:
-        d.rmdir()
 
 
 def test_full_disk_never_reaches_the_guest() -> None:
