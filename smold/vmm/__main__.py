@@ -24,6 +24,7 @@ from smold.snapshot.errors import SnapshotError  # noqa: E402
 from smold.snapshot.state import VmSnapshot  # noqa: E402
 from smold.vmm.console import DEFAULT_CONSOLE_LOG_MAX  # noqa: E402
 from smold.vmm.control import snapshot_info  # noqa: E402
+from smold.vmm.logs import install as install_log_limit  # noqa: E402
 from smold.vmm.machine import (  # noqa: E402
     DEFAULT_CMDLINE,
     DEFAULT_NET_GATEWAY,
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.verbose:
+        install_log_limit()   # device warnings a guest can provoke are rate-limited (smold/vmm/logs.py)
     if args.restore is not None and args.snapshot_on_ready is not None and \
             args.restore.resolve() == args.snapshot_on_ready.resolve():
         print("error: --snapshot-on-ready must not overwrite the snapshot being restored", file=sys.stderr)
