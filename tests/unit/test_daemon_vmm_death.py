@@ -112,7 +112,7 @@ async def wait_state(stub: pb_grpc.SmolStub, mid: str, state: int, timeout: floa
 
 
 def agent_pid(d: Path) -> int:
-    (pid,) = [p for p in processes_mentioning(str(d / AGENT_SOCKET))]
+    (pid,) = processes_mentioning(str(d / AGENT_SOCKET))
     return pid
 
 
@@ -155,7 +155,7 @@ async def test_vmm_sigkilled_takes_its_process_group_with_it(workdir: Path) -> N
     try:
         m = (await stub.CreateMachine(pb.CreateMachineRequest(smolfile=spec()))).machine
         d = machines / m.id
-        helper = [p for p in processes_mentioning(str(d / "helper"))]
+        helper = processes_mentioning(str(d / "helper"))
         assert len(helper) == 1
         os.kill(m.vmm_pid, signal.SIGKILL)
         failed = await wait_state(stub, m.id, pb.MACHINE_STATE_FAILED)
