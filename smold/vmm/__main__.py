@@ -57,8 +57,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="where vsock.sock, console.log, ready.json, exit.json live (default: a temp dir, "
                          "removed at exit)")
     ap.add_argument("--console-log", type=Path, help="serial console log (default: STATE_DIR/console.log)")
-    ap.add_argument("--console-log-max", type=int, default=DEFAULT_CONSOLE_LOG_MAX >> 20, metavar="MIB",
-                    help="rotate the console log at this size, keeping one older file (default: %(default)s MiB)")
+    ap.add_argument("--console-log-max", type=_size, default=DEFAULT_CONSOLE_LOG_MAX, metavar="SIZE",
+                    help="rotate the console log at this size (bytes, or with a k/M suffix), keeping one older "
+                         f"file (default: {DEFAULT_CONSOLE_LOG_MAX >> 20}M)")
     ap.add_argument("--console", action="store_true", help="also copy the serial console to stderr")
     ap.add_argument("--cmdline", default=DEFAULT_CMDLINE, help="base kernel command line")
     ap.add_argument("--cmdline-extra", default="", help="appended to the kernel command line")
@@ -96,6 +97,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("command", nargs="*", help="command to run in the guest (after --)")
     return ap
+
+
+def _size(text: str) -> int:
+    """``4096``, ``64k`` or ``8M`` -> bytes (argparse type)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    scale = units.get(text[-1:].lower(), 1)
+    digits = text[:-1] if scale > 1 else text
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or a number with k, M or G)")
+    return int(digits) * scale
 
 
 def _default_artifacts(args: argparse.Namespace) -> None:
@@ -189,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 hostname=args.hostname if args.hostname is not None else "smol",
                 vsock_cid=args.cid if args.cid is not None else 3,
                 console_log=args.console_log, console_stream=console_stream, net=net)
-        config = dataclasses.replace(config, console_log_max=args.console_log_max << 20)
+        config = dataclasses.replace(config, console_log_max=args.console_log_max)
         config.validate()
     except MachineError as e:
         print(f"error: {e}", file=sys.stderr)
