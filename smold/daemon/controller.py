@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -73,6 +74,7 @@ from .config import DEFAULT_CONSOLE_TAIL, MAX_CONSOLE_TAIL, DaemonConfig
 from .errors import (
     CheckpointExistsError,
     CheckpointFailedError,
+    CheckpointNoSpaceError,
     CheckpointNotFoundError,
     CreateFailedError,
     DaemonError,
@@ -932,6 +934,8 @@ class Controller:
             await asyncio.to_thread(shutil.rmtree, directory, True)
             if m.exited.is_set():
                 raise WrongPhaseError(f"machine {m.id} failed: {m.failure_reason or self._exit_reason(m)}") from None
+            if (e.no_space if isinstance(e, LaunchError) else e.errno in (errno.ENOSPC, errno.EDQUOT)):
+                raise CheckpointNoSpaceError(f"machine {m.id}: snapshot failed, the host disk is full: {e}") from None
             raise CheckpointFailedError(f"machine {m.id}: snapshot failed: {e}") from None
 
     def _checkpoint_info(self, directory: Path) -> CheckpointInfo:

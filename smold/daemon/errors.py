@@ -57,6 +57,12 @@ class CheckpointFailedError(DaemonError):
     status = Status.INTERNAL
 
 
+class CheckpointNoSpaceError(CheckpointFailedError):
+    """The snapshot did not fit on the host's disk (ENOSPC/EDQUOT); nothing of it is kept, the machine runs on."""
+
+    status = Status.RESOURCE_EXHAUSTED
+
+
 class ImageNotFoundError(DaemonError):
     """The Smolfile names an image this daemon does not have."""
 
@@ -134,9 +140,10 @@ class DestroyIncompleteError(DaemonError):
 class LaunchError(Exception):
     """A launcher could not start a VM process, or it did not become ready (internal to the controller)."""
 
-    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+    def __init__(self, message: str, *, timed_out: bool = False, no_space: bool = False) -> None:
         super().__init__(message)
         self.timed_out = timed_out
+        self.no_space = no_space   # a write failed for want of disk space (ENOSPC, EDQUOT)
 
 
 class DaemonSetupError(Exception):

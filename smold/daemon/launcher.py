@@ -32,6 +32,7 @@ EXIT_FILE = "exit.json"     # written by the VMM when it ends: {kind, detail, er
 CONSOLE_FILE = "console.log"
 CONTROL_FILE = "control.sock"  # the VMM's control socket (smold/vmm/control.py)
 LOG_FILE = "vmm.log"        # the VM process's stdout and stderr
+NO_SPACE_ERRNOS = ("ENOSPC", "EDQUOT")   # control-socket "errno" values meaning the disk is full
 READY_POLL_S = 0.05
 
 
@@ -107,7 +108,8 @@ class Launcher(abc.ABC):
         except (ControlError, OSError, ValueError, TimeoutError) as e:
             raise LaunchError(f"control socket {sock}: {e or type(e).__name__}") from None
         if not reply.get("ok"):
-            raise LaunchError(f"the VMM refused the snapshot: {reply.get('error')}")
+            raise LaunchError(f"the VMM refused the snapshot: {reply.get('error')}",
+                              no_space=reply.get("errno") in NO_SPACE_ERRNOS)
         info = reply.get("snapshot")
         return info if isinstance(info, dict) else {}
 

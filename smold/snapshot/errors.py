@@ -29,3 +29,18 @@ class SnapshotChecksumError(SnapshotFormatError):
 
 class SnapshotCompatError(SnapshotError):
     """A well-formed snapshot that does not fit this host or configuration (disk size, CPU, memory)."""
+
+
+class SnapshotWriteError(SnapshotError):
+    """A snapshot could not be written (I/O error; ``errno`` says which, e.g. ENOSPC on a full disk).
+    Nothing that could be mistaken for a snapshot is left behind."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+    @property
+    def no_space(self) -> bool:
+        """The file system is full or the quota is used up."""
+        import errno as _errno
+        return self.errno in (_errno.ENOSPC, _errno.EDQUOT)

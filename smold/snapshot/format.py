@@ -30,6 +30,7 @@ from smold.snapshot.errors import (
     SnapshotTooLargeError,
     SnapshotTruncatedError,
     SnapshotVersionError,
+    SnapshotWriteError,
 )
 
 T = TypeVar("T")
@@ -119,7 +120,7 @@ def write_state_file(path: Path, state: Any) -> int:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise SnapshotError(f"cannot write snapshot state {path}: {e.strerror or e}") from e
+        raise SnapshotWriteError(f"cannot write snapshot state {path}: {e.strerror or e}", e.errno) from e
     return len(data)
 
 

@@ -10,8 +10,12 @@ still maps is replaced by rename, never truncated under it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import os
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +26,7 @@ from smold.snapshot.errors import (
     SnapshotError,
     SnapshotFormatError,
     SnapshotTruncatedError,
+    SnapshotWriteError,
 )
 from smold.snapshot.format import SNAPSHOT_FILE_MODE, read_state_file, write_state_file
 from smold.snapshot.state import STATE_KIND, MemoryRegionState, MemoryState, VmSnapshot
@@ -68,7 +73,7 @@ def write_memory(directory: Path, mem: GuestMemory, *, digest: bool = False, dur
         os.replace(tmp, final)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise SnapshotError(f"cannot write guest memory to {final}: {e.strerror or e}") from e
+        raise SnapshotWriteError(f"cannot write guest memory to {final}: {e.strerror or e}", e.errno) from e
     regions = tuple(MemoryRegionState(r.guest_addr, r.size, r.file_offset) for r in mem.regions)
     return MemoryWrite(MemoryState(file=MEMORY_FILE, size=mem.size, regions=regions, sha256=sha), written)
 
@@ -76,6 +81,41 @@ def write_memory(directory: Path, mem: GuestMemory, *, digest: bool = False, dur
 def write_state(directory: Path, snapshot: VmSnapshot) -> int:
     """Write the state file (last: it marks the directory complete); returns its size."""
     return write_state_file(directory / STATE_FILE, snapshot)
+
+
+def write_snapshot(directory: Path, mem: GuestMemory, state: VmSnapshot, *, digest: bool = False,
+                   durable: bool = False, timings: dict[str, float] | None = None) -> tuple[int, MemoryWrite]:
+    """Write memory, then the state naming it, into ``directory``; returns (state file size, memory write).
+
+    On failure (SnapshotWriteError; ENOSPC on a full disk) nothing that looks like a snapshot is left
+    half-written: a directory this call created is removed; in an existing one, a failed memory write
+    leaves the previous snapshot as it was (the new memory was never renamed into place), and a failed
+    state write after the memory was replaced removes the old state file, which no longer matches.
+    Temporary files are always removed. ``timings`` (if given) gets the seconds for "memory" and "state".
+    """
+    created = not directory.exists()
+    memory_replaced = False
+    try:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SnapshotWriteError(f"cannot create snapshot directory {directory}: {e.strerror or e}",
+                                     e.errno) from e
+        t0 = time.monotonic()
+        mem_write = write_memory(directory, mem, digest=digest, durable=durable)
+        memory_replaced = True
+        t1 = time.monotonic()
+        size = write_state(directory, dataclasses.replace(state, memory=mem_write.state))
+        if timings is not None:
+            timings.update(memory=t1 - t0, state=time.monotonic() - t1)
+    except SnapshotError:
+        if created:
+            shutil.rmtree(directory, ignore_errors=True)
+        elif memory_replaced:
+            with contextlib.suppress(OSError):
+                (directory / STATE_FILE).unlink(missing_ok=True)
+        raise
+    return size, mem_write
 
 
 def read_snapshot(directory: Path) -> VmSnapshot:

@@ -9,6 +9,7 @@ _PROCESS_START = time.monotonic()
 
 import argparse  # noqa: E402  (the start time above is taken before any import work)
 import asyncio  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
@@ -21,7 +22,9 @@ from smold.kvm import is_pvm  # noqa: E402
 from smold.kvm.cpuid import default_vcpus  # noqa: E402
 from smold.snapshot.errors import SnapshotError  # noqa: E402
 from smold.snapshot.state import VmSnapshot  # noqa: E402
+from smold.vmm.console import DEFAULT_CONSOLE_LOG_MAX  # noqa: E402
 from smold.vmm.control import snapshot_info  # noqa: E402
+from smold.vmm.logs import install as install_log_limit  # noqa: E402
 from smold.vmm.machine import (  # noqa: E402
     DEFAULT_CMDLINE,
     DEFAULT_NET_GATEWAY,
@@ -54,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="where vsock.sock, console.log, ready.json, exit.json live (default: a temp dir, "
                          "removed at exit)")
     ap.add_argument("--console-log", type=Path, help="serial console log (default: STATE_DIR/console.log)")
+    ap.add_argument("--console-log-max", type=_size, default=DEFAULT_CONSOLE_LOG_MAX, metavar="SIZE",
+                    help="rotate the console log at this size (bytes, or with a k/M suffix), keeping one older "
+                         f"file (default: {DEFAULT_CONSOLE_LOG_MAX >> 20}M)")
     ap.add_argument("--console", action="store_true", help="also copy the serial console to stderr")
     ap.add_argument("--cmdline", default=DEFAULT_CMDLINE, help="base kernel command line")
     ap.add_argument("--cmdline-extra", default="", help="appended to the kernel command line")
@@ -91,6 +97,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("command", nargs="*", help="command to run in the guest (after --)")
     return ap
+
+
+def _size(text: str) -> int:
+    """``4096``, ``64k`` or ``8M`` -> bytes (argparse type)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    scale = units.get(text[-1:].lower(), 1)
+    digits = text[:-1] if scale > 1 else text
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or a number with k, M or G)")
+    return int(digits) * scale
 
 
 def _default_artifacts(args: argparse.Namespace) -> None:
@@ -153,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.verbose:
+        install_log_limit()   # device warnings a guest can provoke are rate-limited (smold/vmm/logs.py)
     if args.restore is not None and args.snapshot_on_ready is not None and \
             args.restore.resolve() == args.snapshot_on_ready.resolve():
         print("error: --snapshot-on-ready must not overwrite the snapshot being restored", file=sys.stderr)
@@ -182,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 hostname=args.hostname if args.hostname is not None else "smol",
                 vsock_cid=args.cid if args.cid is not None else 3,
                 console_log=args.console_log, console_stream=console_stream, net=net)
+        config = dataclasses.replace(config, console_log_max=args.console_log_max)
         config.validate()
     except MachineError as e:
         print(f"error: {e}", file=sys.stderr)

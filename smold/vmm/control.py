@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from smold.snapshot.errors import SnapshotError
+from smold.snapshot.errors import SnapshotError, SnapshotWriteError
 from smold.vmm.machine import Machine, MachineError, SnapshotResult
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,9 @@ class ControlServer:
             return {"ok": True, **await self.handle(request)}
         except json.JSONDecodeError as e:
             return {"ok": False, "error": f"bad JSON: {e}"}
+        except SnapshotWriteError as e:   # the caller tells a full disk from other failures by "errno"
+            return {"ok": False, "error": str(e),
+                    **({"errno": errno.errorcode.get(e.errno, str(e.errno))} if e.errno is not None else {})}
         except (ControlError, MachineError, SnapshotError, OSError) as e:
             return {"ok": False, "error": str(e)}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import ipaddress
 import logging
@@ -69,7 +68,8 @@ from smold.snapshot.state import (
     VirtioSlotState,
     VmSnapshot,
 )
-from smold.snapshot.store import memory_path, read_snapshot, write_memory, write_state
+from smold.snapshot.store import memory_path, read_snapshot, write_snapshot
+from smold.vmm.console import DEFAULT_CONSOLE_LOG_MAX, ConsoleLog
 from smold.vmm.vcpu import VcpuExit, VcpuThread, install_kick_handler
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,7 @@ class MachineConfig:
     hostname: str = "smol"
     console_log: Path | None = None
     console_stream: Callable[[bytes], None] | None = None
+    console_log_max: int = DEFAULT_CONSOLE_LOG_MAX   # bytes per file; one rotated file is kept (console.py)
     restore_from: Path | None = None   # a snapshot directory: restore it instead of booting
     net: NetConfig | None = None       # None: no NIC at all (the guest has only lo)
 
@@ -151,6 +152,8 @@ class MachineConfig:
             self.net.validate()
         if not 1 <= self.cpus <= 64:
             raise MachineError(f"cpus={self.cpus}: must be between 1 and 64")
+        if self.console_log_max < 4096:
+            raise MachineError(f"console log cap of {self.console_log_max} bytes: at least 4096")
         if self.memory_mib < 64:
             raise MachineError(f"memory={self.memory_mib} MiB: at least 64 MiB is needed")
         if self.memory_mib % 2:
@@ -205,29 +208,6 @@ class MachineExit:
     @property
     def clean(self) -> bool:
         return self.kind in ("poweroff", "stopped")
-
-
-class ConsoleLog:
-    """Serial output sink: appends to the console log file and an optional live stream."""
-
-    def __init__(self, path: Path | None, stream: Callable[[bytes], None] | None) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640) if path else -1
-        self._stream = stream
-        self.tail = bytearray()
-
-    def __call__(self, data: bytes) -> None:
-        if self._fd >= 0:
-            os.write(self._fd, data)
-        if self._stream is not None:
-            self._stream(data)
-        self.tail += data
-        if len(self.tail) > 65536:
-            del self.tail[:-32768]
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
 
 class Machine:
@@ -299,7 +279,7 @@ class Machine:
 
         self.pio = Bus("pio")
         self.mmio = Bus("mmio")
-        self.console = ConsoleLog(cfg.console_log, cfg.console_stream)
+        self.console = ConsoleLog(cfg.console_log, cfg.console_stream, cfg.console_log_max)
         self._closers.append(self.console.close)
         serial_irq = self._irq(SERIAL_COM1_IRQ)
         self.serial = Serial(serial_irq, self.console)
@@ -697,15 +677,15 @@ class Machine:
             try:
                 state = self.capture()
                 t_state = time.monotonic()
-                mem = write_memory(directory, self.mem, digest=digest, durable=durable)
-                t_mem = time.monotonic()
-                size = write_state(directory, dataclasses.replace(state, memory=mem.state))
+                parts: dict[str, float] = {}
+                size, mem = write_snapshot(directory, self.mem, state, digest=digest, durable=durable,
+                                           timings=parts)
                 t_end = time.monotonic()
             finally:
                 if resume:
                     self.resume()
-            timings = {"pause": t_paused - t0, "capture": t_state - t_paused, "memory": t_mem - t_state,
-                       "state": t_end - t_mem, "total": t_end - t0}
+            timings = {"pause": t_paused - t0, "capture": t_state - t_paused, "memory": parts["memory"],
+                       "state": parts["state"], "total": t_end - t0}
             log.info("snapshot %s: %s", directory, timings)
             return SnapshotResult(directory, size, self.mem.size, mem.bytes_written, timings)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -27,6 +28,8 @@ from daemon_support import (
     start_daemon_task,
 )
 from test_snapshot_control import FakeMachine
+from test_snapshot_format import sample_snapshot
+from tmpfs_support import tiny_tmpfs
 
 from smold.api import convert
 from smold.api.machine import CheckpointInfo
@@ -37,6 +40,8 @@ from smold.daemon.controller import CHECKPOINT_NAME_RE
 from smold.daemon.images import Image
 from smold.daemon.launcher import LaunchSpec, VmmLauncher
 from smold.daemon.record import MachineRecord
+from smold.memory import GuestMemory
+from smold.snapshot.store import write_snapshot
 from smold.vmm.control import ControlServer
 from smold.vmm.machine import SnapshotResult
 
@@ -198,6 +203,52 @@ async def test_snapshot_writes_a_named_checkpoint_and_create_restores_it(env: En
     await s.DestroyMachine(pb.DestroyMachineRequest(machine_id="copy"))
     await s.DestroyMachine(pb.DestroyMachineRequest(machine_id="src"))
     assert path.is_dir()
+
+
+class DiskFillingMachine(FakeMachine):
+    """FakeMachine that writes its snapshot with the VMM's own writer (smold.snapshot.store.write_snapshot):
+    4 MiB of incompressible guest memory and a full state file, so a small disk really fills up."""
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__()
+        self.tmp = tmp
+
+    async def snapshot(self, directory: Path, *, resume: bool = True, digest: bool = False) -> SnapshotResult:
+        await self.pause()
+        try:
+            with GuestMemory([(0, 4 << 20)]) as mem:
+                mem.write(0, os.urandom(4 << 20))
+                size, written = write_snapshot(directory, mem, sample_snapshot(self.tmp), digest=digest)
+        finally:
+            if resume:
+                self.resume()
+        return SnapshotResult(directory, size, 4 << 20, written.bytes_written, {"total": 0.0})
+
+
+async def test_snapshot_on_a_full_disk_fails_cleanly_and_the_machine_runs_on(env: Env) -> None:
+    """The checkpoint store is a 1 MiB file system: the Snapshot RPC answers RESOURCE_EXHAUSTED naming
+    the full disk, leaves nothing in the store, and the machine is resumed and still runs commands."""
+    s = env.stub
+    m = await create(env, "src")
+    fake = DiskFillingMachine(env.dir)
+    server = ControlServer(fake, env.state / "machines" / m.id / "control.sock")  # type: ignore[arg-type]
+    await server.start()
+    env.servers.append(server)
+    store = env.state / "checkpoints"
+    with tiny_tmpfs("1m", at=store):
+        await expect_error(s.Snapshot(pb.SnapshotRequest(machine_id="src", name="full")),
+                           grpc.StatusCode.RESOURCE_EXHAUSTED, "host disk is full", "No space left on device")
+        assert list(store.iterdir()) == []
+        assert not fake.paused and [c for c, _ in fake.calls] == ["pause", "resume"]
+        got = (await s.GetMachine(pb.GetMachineRequest(machine_id="src"))).machine
+        assert got.state == pb.MACHINE_STATE_RUNNING
+        out = b""
+        async for msg in s.Exec(pb.ExecRequest(machine_id="src", argv=["echo", "still here"])):
+            out += msg.stdout
+        assert out == b"still here\n"
+    # With room again the same name works.
+    c = (await s.Snapshot(pb.SnapshotRequest(machine_id="src", name="full"))).checkpoint
+    assert sorted(p.name for p in Path(c.path).iterdir()) == ["checkpoint.json", "memory.raw", "snapshot.state"]
 
 
 # --- fork -------------------------------------------------------------------------------------------------------

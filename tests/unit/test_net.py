@@ -460,3 +460,18 @@ def test_tap_backend_readiness_follows_want_rx() -> None:
         return seen
 
     assert asyncio.run(go()) == ["readable", "readable"]
+
+
+def test_held_frame_dropped_on_detach_is_counted(rig: Rig) -> None:
+    """The one frame the device holds for the next buffer is counted as dropped when it is let go."""
+    first = rig.post_rx(NET_HDR_SIZE)       # a buffer that takes a frame of 0 bytes only
+    rig.backend.frames.append(frame(60))
+    rig.dev.backend_readable()
+    assert rig.received(first) == [None] and rig.dev.stats.rx_dropped == 1
+    rig.rxq.add(readable=[b"x" * 16])      # not a receive buffer: the next frame is taken and held
+    rig.drv.kick(RX_QUEUE)
+    rig.backend.frames.append(frame(61))
+    rig.dev.backend_readable()
+    assert rig.dev.pending_frame
+    rig.dev.attach_backend(FakeBackend())
+    assert not rig.dev.pending_frame and rig.dev.stats.rx_dropped == 2

@@ -1297,3 +1297,148 @@ async def test_agent_client_over_vsock(sockdir: Path, mem: GuestMemory) -> None:
     finally:
         proc.terminate()
         proc.wait(5)
+
+
+# -- guest floods: host buffering stays within what the device advertised ---------------------------------
+def test_flood_ignoring_credit_is_reset_not_queued(dev: Vsock, mem: GuestMemory) -> None:
+    """A guest sending 8 MiB at a host that never reads, ignoring buf_alloc: at most buf_alloc is held;
+    the flow is reset at the first byte beyond it and later packets of that flow are not buffered."""
+    guest = Guest(dev, mem, rx_buffers=0)   # and it does not even take our RST
+    guest.listening.add(1024)
+    guest.rx_buffers = 1
+    guest.refill()
+    conn = dev.connect_to_guest(1024)
+    guest.poll()
+    guest.rx_buffers = 0
+    flow = guest.flow(1024, conn.host_port)
+    assert conn.state is ConnState.ESTABLISHED
+    chunk = b"f" * MAX_PAYLOAD
+    for _ in range((8 << 20) // MAX_PAYLOAD):
+        guest.send_flow(flow, Op.RW, chunk)
+        assert dev.pending_from_guest(conn) <= dev.buf_alloc
+    assert conn.state is ConnState.CLOSED and dev.bad_packets >= 1
+    assert dev.pending_from_guest(conn) <= dev.buf_alloc   # what was within credit, for the host to drain
+    # Nothing else was queued for the guest: the flow's RST (it took the one buffer still posted), then
+    # RSTs for the packets that followed and named no flow any more, up to the cap.
+    guest.rx_buffers = 4 * MAX_PENDING_REPLIES
+    guest.refill()
+    got = guest.poll()
+    assert set(ops(got)) == {Op.RST} and len(got) <= 1 + MAX_PENDING_REPLIES
+    assert dev.connections == ()
+    for _ in range(10 * MAX_PENDING_REPLIES):   # with rx buffers posted: one RST per packet, no more
+        guest.send_flow(flow, Op.RW, chunk)
+    got = guest.poll()
+    assert set(ops(got)) == {Op.RST} and len(got) <= 10 * MAX_PENDING_REPLIES
+    assert dev.connections == ()
+    assert len(dev.recv_from_guest(conn, 1 << 30)) == dev.buf_alloc   # the host drains what it accepted
+
+
+def test_request_flood_to_ports_nobody_listens_on(mem: GuestMemory) -> None:
+    """Thousands of REQUESTs, refused by the host, from a guest that posts no rx buffers: the table stays
+    within max_connections, the RST answers within max_connections + MAX_PENDING_REPLIES, and once the
+    guest takes them the device is clean and usable again."""
+    class RefusingHost(FakeHost):
+        def on_guest_connect(self, conn: VsockConnection) -> None:
+            super().on_guest_connect(conn)
+            assert dev.host is self
+            dev.reset_connection(conn)   # what the backend does when <path>_<port> does not exist
+
+    host = RefusingHost()
+    dev = Vsock(guest_cid=CID, host=host, max_connections=32)
+    guest = Guest(dev, mem, rx_buffers=0, answer_requests=False)
+    for i in range(4000):
+        guest.send(Op.REQUEST, 40000 + i, 7000 + i % 50)
+        assert len(dev.connections) <= 32
+    assert len(host.connects) == 32   # the host was asked only while there was room
+    guest.rx_buffers = 128
+    guest.refill()
+    got = []
+    for _ in range(4):
+        got += guest.poll()
+    assert all(h.op == Op.RST for h, _ in got)
+    assert len(got) <= 32 + MAX_PENDING_REPLIES
+    assert dev.connections == ()
+    guest.listening.add(9)
+    guest.answer_requests = True
+    conn = dev.connect_to_guest(9)
+    guest.poll()
+    assert conn.state is ConnState.ESTABLISHED
+
+
+def test_credit_request_flood_is_coalesced(dev: Vsock, mem: GuestMemory) -> None:
+    """10 000 CREDIT_REQUESTs while the guest posts no rx buffers: one CREDIT_UPDATE is owed, not 10 000."""
+    guest = Guest(dev, mem, rx_buffers=0)
+    guest.listening.add(1024)
+    guest.rx_buffers = 1
+    guest.refill()
+    conn = dev.connect_to_guest(1024)
+    guest.poll()
+    guest.rx_buffers = 0
+    flow = guest.flow(1024, conn.host_port)
+    for _ in range(10_000):
+        guest.send_flow(flow, Op.CREDIT_REQUEST)
+    guest.rx_buffers = 64
+    guest.refill()
+    got = ops(guest.poll())   # the first answer may have gone into the one buffer still posted
+    assert set(got) == {Op.CREDIT_UPDATE} and len(got) <= 2
+    assert conn.state is ConnState.ESTABLISHED
+
+
+def test_rst_flood_is_never_answered(dev: Vsock, guest: Guest) -> None:
+    for i in range(5000):
+        guest.send(Op.RST, 30000 + i, 8000 + i)
+    assert guest.poll() == [] and dev.connections == ()
+
+
+@pytest.mark.parametrize("buf_alloc, fwd_cnt", [(0xFFFFFFFF, 0x7FFFFFFF), (0xFFFFFFFF, 0), (0, 0)])
+def test_bogus_guest_credit_does_not_grow_host_buffers(dev: Vsock, guest: Guest, buf_alloc: int,
+                                                       fwd_cnt: int) -> None:
+    """Whatever credit the guest claims (a 4 GiB window, a fwd_cnt far ahead of what we sent, none at
+    all), the host holds at most to_guest_cap per connection: the rest is for the host program to keep."""
+    conn, flow = open_host_conn(dev, guest)
+    flow.buf_alloc = 1 << 33   # the mock guest's own credit check is off: it lies about its window
+    guest.send(Op.CREDIT_UPDATE, flow.guest_port, conn.host_port, buf_alloc=buf_alloc, fwd_cnt=fwd_cnt)
+    guest.auto_consume = False
+    offered = taken = 0
+    for _ in range(64):
+        offered += 65536
+        taken += dev.send_to_guest(conn, b"h" * 65536)
+        assert len(conn.to_guest) <= dev.to_guest_cap
+        guest.poll()
+    sent = sum(len(p) for h, p in guest.packets if h.op == Op.RW)
+    assert taken == sent + len(conn.to_guest) and len(conn.to_guest) <= dev.to_guest_cap
+    if buf_alloc == 0:
+        assert sent == 0 and taken == dev.to_guest_cap < offered
+
+
+async def test_backend_host_not_reading_bounds_guest_flood(sockdir: Path, mem: GuestMemory) -> None:
+    """A guest streams 8 MiB to a host program that accepted but does not read: the guest stalls on
+    credit with a bounded amount in flight (device buffer + transport buffer + kernel socket buffers);
+    when the host reads, every byte arrives in order."""
+    accepted: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        accepted.append((r, w))
+
+    data = os.urandom(8 << 20)
+    async with Rig(sockdir, mem) as rig:
+        server = await asyncio.start_unix_server(handle, f"{rig.path}_5000", limit=1 << 16)
+        async with server:
+            with rig.lock:
+                flow = rig.guest.connect(5000)
+            await rig.until(lambda: flow.established and accepted)
+            with rig.lock:
+                rig.guest.write(flow, data)
+            transport = accepted[0][1].transport
+            transport.pause_reading()   # the host program does not read
+            await asyncio.sleep(0.5)
+            with rig.lock:
+                (conn,) = rig.dev.connections
+                in_flight = flow.tx_cnt
+                assert conn.state is ConnState.ESTABLISHED and len(conn.to_host) <= conn.buf_alloc
+                assert flow.outbox   # waiting for credit, not buffered on the host
+            assert in_flight < 3 << 20, in_flight   # of 8 MiB: bounded by buf_alloc + socket buffers
+            transport.resume_reading()
+            got = await asyncio.wait_for(accepted[0][0].readexactly(len(data)), 30)
+            assert got == data
+            accepted[0][1].close()

@@ -64,7 +64,8 @@ class NetStats:
 
     rx_frames: int = 0
     rx_bytes: int = 0
-    rx_dropped: int = 0      # frames from the host that did not fit the guest's buffer, or hit a bad one
+    rx_dropped: int = 0      # frames from the host that did not fit the guest's buffer, hit a bad one, or were
+                             # held when the backend was detached or the device reset
     tx_frames: int = 0
     tx_bytes: int = 0
     tx_errors: int = 0       # malformed transmit chains (used length 0, nothing sent)
@@ -116,7 +117,7 @@ class Net(VirtioDevice):
             self.backend.want_rx(False)
         self.backend = backend
         self._rx_wanted = False
-        self._pending = None
+        self._drop_pending()
         self._update_rx_interest()
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -130,8 +131,14 @@ class Net(VirtioDevice):
         self._update_rx_interest()
 
     def on_reset(self) -> None:
-        self._pending = None
+        self._drop_pending()
         self._set_rx_wanted(False)
+
+    def _drop_pending(self) -> None:
+        """Forget the frame held for the next receive buffer, counted as dropped."""
+        if self._pending is not None:
+            self.stats.rx_dropped += 1
+            self._pending = None
 
     # -- tx: guest -> host (§5.1.6.2) ----------------------------------------------------------------------
     def _handle_tx(self, mem: GuestMemory, chain: DescriptorChain) -> int:
