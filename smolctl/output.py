@@ -144,3 +144,51 @@ def network_report(r: pb.NetworkReport, limit: int = 20) -> list[str]:
     for n in list(r.denied_names)[:limit]:
         lines.append(f"  denied  dns {n.name}  ({n.queries} queries)")
     return lines
+
+
+class Progress:
+    """A one-line "what ... 12s" ticker on stderr while a long call runs (image pull, bake, create, run).
+
+    Only on a terminal: redirected or piped stderr (scripts, --json consumers) gets nothing. The line is
+    erased when the call ends, whatever its outcome."""
+
+    def __init__(self, what: str, *, stream: Any = None, interval: float = 0.5) -> None:
+        import sys
+
+        self.what = what
+        self.stream = stream if stream is not None else sys.stderr
+        self.interval = interval
+        self._stop: Any = None
+        self._thread: Any = None
+
+    @property
+    def enabled(self) -> bool:
+        isatty = getattr(self.stream, "isatty", None)
+        return bool(isatty and isatty())
+
+    def __enter__(self) -> Progress:
+        if self.enabled:
+            import threading
+
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._tick, name="smolctl-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+    def _tick(self) -> None:
+        start = time.monotonic()
+        frames = "|/-\\"
+        i = 0
+        while True:
+            self.stream.write(f"\r\x1b[K{frames[i % 4]} {self.what} {time.monotonic() - start:.0f}s")
+            self.stream.flush()
+            i += 1
+            if self._stop.wait(self.interval):
+                return

@@ -194,52 +194,15 @@ class Reaper:
         stderr_fd: int,
         on_exit: "Callable[[int], None]",
     ) -> int:
-        """Start argv in a new session; returns the pid (also its pgid) or raises SpawnError."""
+        """Start argv in a new session; returns the pid (also its pgid) or raises SpawnError.
+
+        vfork when no user switch is asked for (cheap: no copy of the agent's page tables), else fork;
+        on_exit gets the waitpid status once the command has exited."""
         if user is None and VFORK_SPAWN:
             pid = vfork_exec(argv, env, cwd, stdin_fd, stdout_fd, stderr_fd)
-            self.register(pid, on_exit)
-            return pid
-        return self.fork_spawn(argv, env, cwd, user, stdin_fd, stdout_fd, stderr_fd, on_exit)
-
-    def fork_spawn(
-        self,
-        argv: "list[str]",
-        env: "dict[str, str]",
-        cwd: str,
-        user: "UserInfo | None",
-        stdin_fd: int,
-        stdout_fd: int,
-        stderr_fd: int,
-        on_exit: "Callable[[int], None]",
-    ) -> int:
-        """os.fork() and exec argv (any user); returns the pid (also its pgid) or raises SpawnError."""
-        err_r, err_w = os.pipe()  # O_CLOEXEC: EOF on a successful exec
-        try:
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - child
-                os.close(err_r)
-                _child(argv, env, cwd, user, stdin_fd, stdout_fd, stderr_fd, err_w)
-            os.close(err_w)
-            err_w = -1
-            self.register(pid, on_exit)
-            chunks = []
-            while True:
-                try:
-                    chunk = os.read(err_r, 256)
-                except InterruptedError:
-                    continue
-                if not chunk:
-                    break
-                chunks.append(chunk)
-        finally:
-            os.close(err_r)
-            if err_w >= 0:
-                os.close(err_w)
-        if chunks:
-            self.forget(pid)  # the child _exit(127)s; its status is reaped and discarded
-            stage, _, code_s = b"".join(chunks).decode("ascii", "replace").partition(":")
-            code = int(code_s) if code_s.isdigit() else 0
-            raise SpawnError(stage, code, os.strerror(code) if code else "child setup failed")
+        else:
+            pid = fork_exec(argv, env, cwd, user, stdin_fd, stdout_fd, stderr_fd)
+        self.register(pid, on_exit)
         return pid
 
 
@@ -269,6 +232,66 @@ def kill_group(pgid: int, sig: int = _signal.SIGKILL) -> bool:
     except PermissionError:
         return False
     return True
+
+
+def fork_exec(
+    argv: "list[str]",
+    env: "dict[str, str]",
+    cwd: str,
+    user: "UserInfo | None",
+    stdin_fd: int,
+    stdout_fd: int,
+    stderr_fd: int,
+) -> int:
+    """os.fork() and exec argv as any user; returns the pid (also its pgid).
+
+    The child reports a failure before exec as "stage:errno" on a CLOEXEC pipe (_child); that raises
+    SpawnError here after the child is reaped."""
+    err_r, err_w = os.pipe()  # O_CLOEXEC: EOF on a successful exec
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            os.close(err_r)
+            _child(argv, env, cwd, user, stdin_fd, stdout_fd, stderr_fd, err_w)
+        os.close(err_w)
+        err_w = -1
+        data = _read_error_pipe(err_r)
+    finally:
+        os.close(err_r)
+        if err_w >= 0:
+            os.close(err_w)
+    if not data:
+        return pid
+    _reap(pid)  # the child _exit(127)ed before exec
+    stage, _, code_s = data.decode("ascii", "replace").partition(":")
+    code = int(code_s) if code_s.isdigit() else 0
+    raise SpawnError(stage, code, os.strerror(code) if code else "child setup failed")
+
+
+def _read_error_pipe(fd: int, limit: int = 4096) -> bytes:
+    """What a spawned child wrote on its error pipe before exec (b"" on success: EOF at exec)."""
+    data = b""
+    while len(data) <= limit:
+        try:
+            chunk = os.read(fd, 4096)
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _reap(pid: int) -> None:
+    """Collect a child that failed before exec (never registered with the Reaper)."""
+    while True:
+        try:
+            os.waitpid(pid, 0)
+            return
+        except InterruptedError:
+            continue
+        except ChildProcessError:
+            return
 
 
 # _posixsubprocess.fork_exec(args, executable_list, close_fds, pass_fds, cwd, env, p2cread, p2cwrite,
@@ -306,29 +329,14 @@ def vfork_exec(
         )
         os.close(err_w)
         err_w = -1
-        data = b""
-        while True:
-            try:
-                chunk = os.read(err_r, 4096)
-            except InterruptedError:
-                continue
-            if not chunk or len(data) > 4096:
-                break
-            data += chunk
+        data = _read_error_pipe(err_r)
     finally:
         os.close(err_r)
         if err_w >= 0:
             os.close(err_w)
     if not data:
         return pid
-    while True:  # the child _exit()ed before exec: collect it here, it was never registered
-        try:
-            os.waitpid(pid, 0)
-            break
-        except InterruptedError:
-            continue
-        except ChildProcessError:
-            break
+    _reap(pid)  # the child _exit()ed before exec: collect it here, it was never registered
     # "ExceptionName:hex_errno:message"; message "noexec" means the chdir (or another pre-exec step) failed.
     _name, _, rest = data.decode("ascii", "replace").partition(":")
     hex_errno, _, msg = rest.partition(":")

@@ -8,7 +8,7 @@ from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
 from ..client import fail, smolfile_message
-from ..output import to_json
+from ..output import Progress, to_json
 
 NAME = "create"
 HELP = "create a machine from a Smolfile (or restore a checkpoint) and print its id"
@@ -31,6 +31,7 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
         fail("a SMOLFILE (or --from-checkpoint NAME) is required")
     else:
         req = pb.CreateMachineRequest(name=args.name, smolfile=smolfile_message(args.smolfile))
-    resp = stub.CreateMachine(req)
+    with Progress("creating"):
+        resp = stub.CreateMachine(req)
     print(to_json(resp.machine) if args.json else resp.machine.id)
     return 0

@@ -13,7 +13,7 @@ from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
 from ..client import ERROR_EXIT, rpc_error_message, smolfile_message, socket_path, write_err
-from ..output import bakes_table, to_json
+from ..output import Progress, bakes_table, to_json
 
 NAME = "image"
 HELP = "OCI images (pull, ls, rm, prune) and pre-baked machines (bake, bakes, unbake)"
@@ -23,11 +23,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="image_cmd", metavar="SUBCOMMAND", required=True)
     pull = sub.add_parser("pull", help="pull a registry image (or import a local OCI layout/archive) and build its disk")
     pull.add_argument("ref", help="registry reference (host/repo:tag, repo@sha256:...) or a local path")
+    pull.add_argument("--json", action="store_true", help="print the image as JSON")
     ls = sub.add_parser("ls", help="list cached images")
     ls.add_argument("--json", action="store_true", help="print the images as a JSON array")
     rm = sub.add_parser("rm", help="remove an image name (its disk goes at the next prune)")
     rm.add_argument("name", help="a name from 'image ls' or a manifest digest")
-    sub.add_parser("prune", help="delete images no name or machine uses, and their blobs")
+    rm.add_argument("--json", action="store_true", help="print the removed names as a JSON array")
+    prune = sub.add_parser("prune", help="delete images no name or machine uses, and their blobs")
+    prune.add_argument("--json", action="store_true", help="print what was removed and freed as JSON")
 
     bake = sub.add_parser("bake", help="boot the Smolfile's machine (mounts, setup), snapshot it as a bake; "
                                        "prints its key",
@@ -63,8 +66,9 @@ def _row(img: pb.Image) -> str:
 def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
     cmd = args.image_cmd
     if cmd == "pull":
-        img = stub.PullImage(pb.PullImageRequest(ref=_local(args.ref))).image
-        print(_row(img))
+        with Progress(f"pulling {args.ref}"):
+            img = stub.PullImage(pb.PullImageRequest(ref=_local(args.ref))).image
+        print(to_json(img) if args.json else _row(img))
     elif cmd == "ls":
         images = list(stub.ListImages(pb.ListImagesRequest()).images)
         if args.json:
@@ -74,13 +78,22 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
             for i in images:
                 print(_row(i))
     elif cmd == "rm":
-        for name in stub.RemoveImage(pb.RemoveImageRequest(name=_local(args.name))).removed:
-            print(f"removed {name}")
+        removed = list(stub.RemoveImage(pb.RemoveImageRequest(name=_local(args.name))).removed)
+        if args.json:
+            print(json.dumps(removed))
+        else:
+            for name in removed:
+                print(f"removed {name}")
     elif cmd == "prune":
         resp = stub.PruneImages(pb.PruneImagesRequest())
+        if args.json:
+            print(to_json(resp))
+            return 0
         print(f"removed {len(resp.removed)} images and blobs, freed {resp.freed_bytes / (1 << 20):.1f} MiB")
     elif cmd == "bake":
-        resp = stub.BakeImage(pb.BakeImageRequest(smolfile=smolfile_message(args.smolfile), replace=args.replace))
+        with Progress(f"baking {args.smolfile}"):
+            resp = stub.BakeImage(pb.BakeImageRequest(smolfile=smolfile_message(args.smolfile),
+                                                      replace=args.replace))
         print(to_json(resp.bake) if args.json else resp.bake.key)
     elif cmd == "bakes":
         listed = list(stub.ListBakes(pb.ListBakesRequest()).bakes)

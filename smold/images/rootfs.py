@@ -19,7 +19,9 @@ SUITE = "bookworm"
 MIRROR_ENV = "SMOL_DEBIAN_MIRROR"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 # minbase already has coreutils, bash, dash, util-linux, findutils, grep, sed, tar, gzip.
-PACKAGES = ("python3", "bash", "coreutils", "procps", "iproute2", "ca-certificates")
+# The rest are the common tools an agent's task expects (issue: "python3, git, common tools").
+PACKAGES = ("python3", "bash", "coreutils", "procps", "iproute2", "ca-certificates", "git", "adduser", "curl",
+            "xz-utils", "unzip", "patch", "less", "make")
 BUILD_DEPS = ("debootstrap", "e2fsprogs")
 SOURCE_DATE_EPOCH = 1704067200  # 2024-01-01T00:00:00Z
 FS_UUID = "5a6f6c00-0000-4000-8000-000000000001"

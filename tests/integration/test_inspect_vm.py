@@ -25,17 +25,12 @@ from smol.inspect_sandbox import SmolSandboxEnvironment
 
 pytestmark = [pytest.mark.kvm, pytest.mark.linux, pytest.mark.timeout(3600)]
 
-# Checks the default image cannot pass, with why.
-XFAIL = {
-    "test_exec_as_user": "the default image (Debian minbase) has no adduser",
-}
-
 SUBSET = {
     "test_read_and_write_file_text", "test_read_and_write_large_file_binary", "test_read_file_not_found",
     "test_read_file_is_directory", "test_write_text_file_without_permissions", "test_exec_output",
     "test_exec_stderr_utf", "test_exec_returncode", "test_exec_timeout_kills_child_processes",
     "test_exec_env_vars", "test_exec_input_binary", "test_exec_input_large", "test_exec_large_command",
-    "test_exec_as_nonexistent_user", "test_cwd_relative",
+    "test_exec_as_user", "test_exec_as_nonexistent_user", "test_cwd_relative",
 }
 if not os.environ.get("SMOL_INSPECT_FULL"):
     for _name in [n for n in globals() if n.startswith("test_") and n not in SUBSET]:
@@ -74,10 +69,7 @@ def vm() -> Iterator[tuple[Path, str]]:
 
 
 @pytest.fixture
-async def sandbox_env(vm: tuple[Path, str], request: pytest.FixtureRequest) -> AsyncIterator[SmolSandboxEnvironment]:
-    reason = XFAIL.get(request.node.originalname)
-    if reason:
-        request.node.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+async def sandbox_env(vm: tuple[Path, str]) -> AsyncIterator[SmolSandboxEnvironment]:
     sock, machine_id = vm
     env = SmolSandboxEnvironment(smol.AsyncClient(sock), machine_id, "/")
     try:

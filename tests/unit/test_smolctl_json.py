@@ -1,15 +1,19 @@
-"""--json on smolctl rm, cp and logs (the other commands' --json are tested with them)."""
+"""--json on smolctl rm, cp and logs (the other commands' --json are tested with them), and the progress ticker."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from daemon_support import DaemonProcess
+
+from smolctl.output import Progress
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,3 +49,24 @@ def test_cp_logs_rm_json(daemon: DaemonProcess) -> None:
     out = json.loads(r.stdout)
     assert [(x["machine"], x["destroyed"]) for x in out] == [(mid, True), ("no-such-machine", False)]
     assert "no-such-machine" in out[1]["error"] and r.stderr == b""
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_ticks_on_a_terminal_and_erases_its_line() -> None:
+    out = _Tty()
+    with Progress("pulling x", stream=out, interval=0.01):
+        time.sleep(0.1)
+    text = out.getvalue()
+    assert text.startswith("\r\x1b[K| pulling x 0s") and text.count("pulling x") >= 3
+    assert text.endswith("\r\x1b[K")
+
+
+def test_progress_is_silent_when_not_a_terminal() -> None:
+    out = io.StringIO()
+    with Progress("pulling x", stream=out, interval=0.01):
+        time.sleep(0.05)
+    assert out.getvalue() == ""
