@@ -121,6 +121,40 @@ def test_no_net_tap_means_only_lo(vm: Microvm) -> None:
     assert "LOOPBACK,UP" in link
 
 
+VSOCK_PROBE = r"""
+import socket
+out = []
+# The host on ports nobody serves, the loopback CID, other VMs' CIDs, the broadcast CID.
+for cid, port in ((2, 1), (2, 22), (2, 52), (1, 1024), (3, 1024), (4, 52), (7, 1024), (0xFFFFFFFF, 1024)):
+    s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+    s.settimeout(4)
+    try:
+        s.connect((cid, port))
+        out.append(f"{cid}:{port}:connected")
+    except OSError:
+        out.append(f"{cid}:{port}:refused")
+    finally:
+        s.close()
+print(" ".join(out))
+"""
+
+
+def test_guest_cannot_reach_host_files_or_other_vms(vm: Microvm) -> None:
+    # Issue 7: nothing of the host's file systems is shared into the guest (only its own block devices and
+    # in-memory file systems), and vsock reaches no other VM and no host port nobody serves.
+    r = vm.run(["sh", "-c", "cat /proc/mounts; echo --; ls /sys/block"])
+    assert r.exit_code == 0, r.stderr
+    mounts, blocks = r.stdout.decode().split("--\n")
+    fstypes = {line.split()[2] for line in mounts.splitlines()}
+    assert not fstypes & {"9p", "virtiofs", "nfs", "nfs4", "fuse", "cifs", "smb3"}, mounts
+    sources = {line.split()[0] for line in mounts.splitlines() if line.split()[0].startswith("/dev/")}
+    assert sources <= {"/dev/vda", "/dev/root"}, mounts
+    assert [b for b in blocks.split() if not b.startswith(("loop", "ram", "zram"))] == ["vda"], blocks
+    r = vm.run(["python3", "-c", VSOCK_PROBE], timeout=300)
+    assert r.exit_code == 0, r.stderr
+    assert all(item.endswith(":refused") for item in r.stdout.decode().split()), r.stdout
+
+
 def test_poweroff_ends_vmm_cleanly(vm: Microvm) -> None:
     state_dir = Path(vm.vsock_path).parent
     assert state_dir.is_dir()
