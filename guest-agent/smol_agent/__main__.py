@@ -126,8 +126,12 @@ def setup_pid1() -> None:
             if new != fd:
                 os.dup2(new, fd)
                 os.close(new)
+    from .process import INHERITED_ENV  # the server imports it anyway
+
+    inherited = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
     os.environ.clear()
     os.environ.update(PID1_ENV)
+    os.environ.update(inherited)
     os.chdir("/")
     os.umask(0o022)
     for sig in _PID1_SWALLOWED:

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Set for the whole guest by the VMM (on the kernel command line, which Linux turns into /init's
+# environment) and passed on from the agent's own environment to every command it runs. GLIBC_TUNABLES:
+# the compat CPU template keeps glibc off AVX (smold/kvm/cpuid.py, docs/pvm-emulator.md item 10).
+INHERITED_ENV = ("GLIBC_TUNABLES",)
 
 # Signals whose disposition the agent changes and a child must get back as SIG_DFL before exec
 # (CPython ignores SIGPIPE/SIGXFSZ; PID 1 ignores SIGTERM/SIGINT/SIGHUP; ignored dispositions survive exec).

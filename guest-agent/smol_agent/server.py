@@ -16,7 +16,16 @@ import stat
 import time
 
 from . import protocol as P
-from .process import DEFAULT_PATH, Reaper, SpawnError, UserInfo, decode_status, kill_group, resolve_user
+from .process import (
+    DEFAULT_PATH,
+    INHERITED_ENV,
+    Reaper,
+    SpawnError,
+    UserInfo,
+    decode_status,
+    kill_group,
+    resolve_user,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -842,7 +851,7 @@ class Agent:
 
     @staticmethod
     def _env_for(user: UserInfo) -> "dict[str, str]":
-        return {
+        env = {
             "PATH": DEFAULT_PATH,
             "HOME": user.home,
             "USER": user.name,
@@ -850,6 +859,8 @@ class Agent:
             "SHELL": user.shell,
             "LANG": "C.UTF-8",
         }
+        env.update((k, os.environ[k]) for k in INHERITED_ENV if k in os.environ)
+        return env
 
     def health(self) -> "dict[str, Any]":
         return {

@@ -114,6 +114,13 @@ def build_cpuid(supported: list[s.KvmCpuidEntry2], template: CpuTemplate, vcpu_i
 #   smol_cpl0_emulated  the guest kernel's own switch (guest-agent/kernel/patches/0001-*.patch): no
 #                    INT3 self-test, no FWAIT, and user-mode SYSCALL completed from the #PF it
 #                    raises on PVM (docs/pvm-emulator.md)
+#   GLIBC_TUNABLES=  not a kernel parameter: Linux hands it to /init as an environment variable, and
+#                    the agent passes it on to every command (docs/pvm-emulator.md, item 10). Guest user
+#                    code runs natively on PVM, so glibc's CPUID sees the host's AVX/AVX2 and copies
+#                    memory through 32-byte YMM registers, but with noxsave the kernel saves only the
+#                    FXSAVE area: a process preempted inside such a copy gets the upper 16 bytes of its
+#                    YMM registers back as zeros and writes zeros into the data. The tunable makes
+#                    glibc pick its SSE2 string and memory functions.
 # With more than one vCPU also:
 #   nopv             no KVM paravirt features: the guest sees the *host's* hypervisor CPUID leaves,
 #                    and with them a second vCPU hangs during bring-up (docs/pvm-emulator.md)
@@ -121,8 +128,10 @@ def build_cpuid(supported: list[s.KvmCpuidEntry2], template: CpuTemplate, vcpu_i
 #                    which is meaningless at emulation speed; N is the vCPU's KVM_GET_TSC_KHZ
 #   lpj=N            likewise for the secondary CPUs' delay-loop calibration
 # (SMP under PVM's emulator is still unreliable: see docs/pvm-emulator.md.)
+COMPAT_GLIBC_TUNABLES = ("glibc.cpu.hwcaps=-AVX,-AVX2,-AVX512F,-AVX512VL,-AVX512BW,-AVX512DQ,"
+                         "-AVX_Fast_Unaligned_Load,-FMA,-FMA4")
 COMPAT_CMDLINE = ("noxsave clearcpuid=141,150,151,158,308,534 nopcid noinvpcid nopku nofsgsbase "
-                  "smol_cpl0_emulated")
+                  f"smol_cpl0_emulated GLIBC_TUNABLES={COMPAT_GLIBC_TUNABLES}")
 COMPAT_SMP_CMDLINE = "nopv"
 HZ = 100   # CONFIG_HZ of the guest kernel (guest-agent/kernel/microvm.config)
 

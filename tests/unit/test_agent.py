@@ -40,12 +40,14 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs
 class AgentProcess:
     """The agent started as a subprocess listening on unix:<path>."""
 
-    def __init__(self, workdir: Path, *, pid1: bool = False, prefix: list[str] | None = None) -> None:
+    def __init__(self, workdir: Path, *, pid1: bool = False, prefix: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.path = str(workdir / "agent.sock")
         self.log = workdir / "agent.log"
         cmd = [*(prefix or []), *AGENT_CMD, "--listen", f"unix:{self.path}", *(["--pid1"] if pid1 else [])]
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         env={**os.environ, **env} if env else None)
         deadline = time.monotonic() + 15
         while True:
             if self.proc.poll() is not None:
@@ -718,6 +720,39 @@ async def test_pid1_ignores_sigterm_and_env_is_sane(pid1_agent):
         r = await c.run(["sh", "-c", 'echo "$PATH"; trap - TERM; kill -TERM $$'])
         assert b"/usr/bin" in r.stdout
         assert r.signal == signal.SIGTERM  # dispositions ignored by PID 1 are reset in the child
+
+
+# The VMM sets GLIBC_TUNABLES for the whole guest on PVM hosts (smold/kvm/cpuid.py, docs/pvm-emulator.md
+# item 10); commands must inherit it from the agent, which otherwise builds their environment from scratch.
+PLATFORM_ENV = {"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2", "SMOL_NOT_INHERITED": "1"}
+SHOW_ENV = ["sh", "-c", 'echo "${GLIBC_TUNABLES-unset}|${SMOL_NOT_INHERITED-unset}"']
+
+
+async def test_commands_inherit_glibc_tunables(workdir):
+    a = AgentProcess(workdir, env=PLATFORM_ENV)
+    try:
+        async with await connect_unix(a.path) as c:
+            assert (await c.run(SHOW_ENV)).stdout == b"glibc.cpu.hwcaps=-AVX2|unset\n"
+            # a caller's own value wins; env_replace means exactly the caller's environment
+            r = await c.run(SHOW_ENV, env={"GLIBC_TUNABLES": "mine"})
+            assert r.stdout == b"mine|unset\n"
+            assert (await c.run(SHOW_ENV, env={"X": "1"}, env_replace=True)).stdout == b"unset|unset\n"
+    finally:
+        a.stop()
+
+
+@needs_pidns
+async def test_pid1_keeps_glibc_tunables_for_commands(workdir):
+    # As PID 1 the agent resets its environment (setup_pid1); what /init got from the kernel command line
+    # must survive that.
+    a = AgentProcess(workdir, pid1=True, prefix=["unshare", "--pid", "--fork", "--mount-proc"], env=PLATFORM_ENV)
+    try:
+        async with await connect_unix(a.path) as c:
+            assert (await c.run(SHOW_ENV)).stdout == b"glibc.cpu.hwcaps=-AVX2|unset\n"
+    finally:
+        for pid in _children(a.proc.pid):
+            os.kill(pid, signal.SIGKILL)  # PID 1 ignores SIGTERM
+        a.proc.wait(10)
 
 
 def _sigmask(status: bytes, field: bytes) -> int:

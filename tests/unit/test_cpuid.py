@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from smold.kvm import structs as s
 from smold.kvm.cpuid import (
+    COMPAT_GLIBC_TUNABLES,
     COMPAT_MASKS,
     CpuTemplate,
     CpuTemplateError,
@@ -243,3 +247,33 @@ def test_compat_smp_cmdline_adds_nopv_and_the_tsc_rate() -> None:
     assert "tsc_early_khz=2596096" in two
     assert "lpj=25960960" in two          # TSC cycles per jiffy at HZ=100
     assert template_cmdline(CpuTemplate.HOST, 2_596_096, cpus=4) == ""
+
+
+def test_compat_cmdline_keeps_guest_glibc_off_avx() -> None:
+    # docs/pvm-emulator.md item 10: noxsave leaves YMM upper halves unsaved, so guest user space must not
+    # use AVX. Linux hands a word with '=' and no dot in its name to /init as an environment variable.
+    words = template_cmdline(CpuTemplate.COMPAT, 2_596_096, cpus=2).split()
+    assert [w for w in words if w.startswith("GLIBC_TUNABLES=")] == [f"GLIBC_TUNABLES={COMPAT_GLIBC_TUNABLES}"]
+    name, value = COMPAT_GLIBC_TUNABLES.split("=", 1)
+    assert name == "glibc.cpu.hwcaps" and " " not in value
+    assert {"-AVX", "-AVX2", "-AVX512F", "-AVX_Fast_Unaligned_Load"} <= set(value.split(","))
+    assert "GLIBC_TUNABLES" not in template_cmdline(CpuTemplate.HOST, 2_596_096, cpus=2)
+
+
+LD_SO = Path("/lib64/ld-linux-x86-64.so.2")
+
+
+def test_compat_tunables_take_glibc_off_avx() -> None:
+    """What glibc (Debian 12's, as in the default rootfs) makes of the tunable: no AVX anywhere."""
+    if not LD_SO.exists():
+        pytest.skip("no x86-64 glibc loader here")
+    r = subprocess.run([str(LD_SO), "--list-diagnostics"], env={"GLIBC_TUNABLES": COMPAT_GLIBC_TUNABLES},
+                       capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        pytest.skip("this glibc has no --list-diagnostics (older than 2.33)")
+    diag = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+    assert diag["x86.cpu_features.preferred.AVX_Fast_Unaligned_Load"] == "0x0"   # memmove/memcpy
+    leaf1_ecx = int(diag["x86.cpu_features.features[0x0].active[0x2]"], 16)
+    leaf7_ebx = int(diag["x86.cpu_features.features[0x1].active[0x1]"], 16)
+    assert not bit(leaf1_ecx, 28)                     # AVX
+    assert not bit(leaf7_ebx, 5) and not bit(leaf7_ebx, 16)   # AVX2, AVX512F

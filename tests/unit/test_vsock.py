@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import shutil
 import socket
@@ -22,6 +23,7 @@ import pytest
 from virtio_driver import VirtioDriver, assert_plain_state
 
 from smold.agent import AgentConnectError, connect_vsock_uds
+from smold.daemon import guestops
 from smold.devices.irq import CountingIrq
 from smold.devices.virtio.device import VIRTIO_F_VERSION_1, VIRTIO_ID_VSOCK
 from smold.devices.virtio.mmio import MmioTransport, Reg
@@ -1442,3 +1444,36 @@ async def test_backend_host_not_reading_bounds_guest_flood(sockdir: Path, mem: G
             got = await asyncio.wait_for(accepted[0][0].readexactly(len(data)), 30)
             assert got == data
             accepted[0][1].close()
+async def test_agent_client_large_stdin_and_spilled_argv_over_vsock(sockdir: Path, mem: GuestMemory) -> None:
+    """Inspect's large-input checks through the whole host path: 32 MiB of stdin (a ring's worth of wraps,
+    the guest's 256 KiB credit window refilled hundreds of times) and a 1 MiB argv spilled to a file."""
+    agent_path = str(sockdir / "agent.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "smol_agent", "--listen", f"unix:{agent_path}"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 15
+        while not Path(agent_path).exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "agent did not start"
+            await asyncio.sleep(0.01)
+        relay = AgentRelay(agent_path)
+        async with Rig(sockdir, mem, app=relay, auto_consume=False, buf_alloc=256 * 1024,
+                       rx_buffers=128) as rig:
+            rig.guest.listening.add(1024)
+            client = await connect_vsock_uds(rig.path, 1024, timeout=10)
+            try:
+                data = os.urandom(32 << 20)
+                r = await asyncio.wait_for(client.run(["sha256sum"], stdin=data), 60)
+                assert r.stdout.split()[0].decode() == hashlib.sha256(data).hexdigest()
+                chunk = "x" * 65536
+                argv = await guestops.spill_argv(client, "test", ["printf", "%s", *([chunk] * 16)])
+                r = await asyncio.wait_for(client.run(argv), 60)
+                assert r.exit_code == 0 and r.stdout == (chunk * 16).encode()
+            finally:
+                await client.close()
+            (flow,) = [f for f in rig.flows() if f.guest_port == 1024]
+            assert flow.rx_cnt > len(data) and flow.max_in_flight <= flow.buf_alloc
+            for task in relay.tasks:
+                task.cancel()
+    finally:
+        proc.terminate()
+        proc.wait(5)
