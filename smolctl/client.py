@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -122,3 +123,18 @@ def smolfile_message(path_arg: str) -> pb.Smolfile:
 def write_err(text: str) -> None:
     sys.stderr.write(text)
     sys.stderr.flush()
+
+
+def delete_each(names: list[str], delete: Callable[[str], object], socket: str | None) -> int:
+    """Delete every name with one call each, printing the names deleted; an error is reported and the rest
+    still go. Exit code 0, or ERROR_EXIT when any failed."""
+    code = 0
+    for name in names:
+        try:
+            delete(name)
+        except grpc.RpcError as e:
+            write_err(f"smolctl: error: {rpc_error_message(e, socket_path(socket))}\n")
+            code = ERROR_EXIT
+        else:
+            print(name)
+    return code

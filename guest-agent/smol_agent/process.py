@@ -251,12 +251,28 @@ def fork_exec(
 
     The child reports a failure before exec as "stage:errno" on a CLOEXEC pipe (_child); that raises
     SpawnError here after the child is reaped."""
-    err_r, err_w = os.pipe()  # O_CLOEXEC: EOF on a successful exec
-    try:
+    def start(err_r: int, err_w: int) -> int:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - child
             os.close(err_r)
             _child(argv, env, cwd, user, stdin_fd, stdout_fd, stderr_fd, err_w)
+        return pid
+
+    pid, data = _start_reporting(start)
+    if not data:
+        return pid
+    stage, _, code_s = data.decode("ascii", "replace").partition(":")
+    code = int(code_s) if code_s.isdigit() else 0
+    raise SpawnError(stage, code, os.strerror(code) if code else "child setup failed")
+
+
+def _start_reporting(start: "Callable[[int, int], int]") -> "tuple[int, bytes]":
+    """start(err_r, err_w) starts a child that reports a failure before exec on a CLOEXEC pipe; returns its
+    pid and that report (b"" once it exec'd: EOF). A child that reported has _exit()ed and is reaped here:
+    it was never registered with the Reaper."""
+    err_r, err_w = os.pipe()  # O_CLOEXEC: EOF on a successful exec
+    try:
+        pid = start(err_r, err_w)
         os.close(err_w)
         err_w = -1
         data = _read_error_pipe(err_r)
@@ -264,12 +280,9 @@ def fork_exec(
         os.close(err_r)
         if err_w >= 0:
             os.close(err_w)
-    if not data:
-        return pid
-    _reap(pid)  # the child _exit(127)ed before exec
-    stage, _, code_s = data.decode("ascii", "replace").partition(":")
-    code = int(code_s) if code_s.isdigit() else 0
-    raise SpawnError(stage, code, os.strerror(code) if code else "child setup failed")
+    if data:
+        _reap(pid)
+    return pid, data
 
 
 def _read_error_pipe(fd: int, limit: int = 4096) -> bytes:
@@ -324,23 +337,16 @@ def vfork_exec(
         executables: tuple[bytes, ...] = (exe,)
     else:  # the lookup os.execvpe does, with the child's PATH
         executables = tuple(os.path.join(os.fsencode(d), exe) for d in os.get_exec_path(env))
-    err_r, err_w = os.pipe()  # O_CLOEXEC: EOF on a successful exec
-    try:
-        pid = _posixsubprocess.fork_exec(
+    def start(err_r: int, err_w: int) -> int:
+        return _posixsubprocess.fork_exec(
             [os.fsencode(a) for a in argv], executables, True, (err_w,), cwd, env_list,
             stdin_fd, -1, -1, stdout_fd, -1, stderr_fd, err_r, err_w,
             True, True, -1, None, None, None, -1, None, True,
         )
-        os.close(err_w)
-        err_w = -1
-        data = _read_error_pipe(err_r)
-    finally:
-        os.close(err_r)
-        if err_w >= 0:
-            os.close(err_w)
+
+    pid, data = _start_reporting(start)
     if not data:
         return pid
-    _reap(pid)  # the child _exit()ed before exec: collect it here, it was never registered
     # "ExceptionName:hex_errno:message"; message "noexec" means the chdir (or another pre-exec step) failed.
     _name, _, rest = data.decode("ascii", "replace").partition(":")
     hex_errno, _, msg = rest.partition(":")

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-import grpc
 from google.protobuf.json_format import MessageToDict
 
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
-from ..client import ERROR_EXIT, rpc_error_message, socket_path, write_err
+from ..client import delete_each
 from ..output import checkpoints_table
 
 NAME = "checkpoint"
@@ -38,13 +37,4 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
         else:
             print(checkpoints_table(cps))
         return 0
-    code = 0
-    for name in args.names:
-        try:
-            stub.DeleteCheckpoint(pb.DeleteCheckpointRequest(name=name))
-        except grpc.RpcError as e:
-            write_err(f"smolctl: error: {rpc_error_message(e, socket_path(args.socket))}\n")
-            code = ERROR_EXIT
-        else:
-            print(name)
-    return code
+    return delete_each(args.names, lambda n: stub.DeleteCheckpoint(pb.DeleteCheckpointRequest(name=n)), args.socket)

@@ -6,13 +6,12 @@ import argparse
 import json
 import os
 
-import grpc
 from google.protobuf.json_format import MessageToDict
 
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
-from ..client import ERROR_EXIT, rpc_error_message, smolfile_message, socket_path, write_err
+from ..client import delete_each, smolfile_message
 from ..output import Progress, bakes_table, to_json
 
 NAME = "image"
@@ -105,18 +104,5 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
         else:
             print(bakes_table(listed))
     elif cmd == "unbake":
-        return _unbake(args, stub)
+        return delete_each(args.keys, lambda k: stub.DeleteBake(pb.DeleteBakeRequest(key=k)), args.socket)
     return 0
-
-
-def _unbake(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
-    code = 0
-    for key in args.keys:
-        try:
-            stub.DeleteBake(pb.DeleteBakeRequest(key=key))
-        except grpc.RpcError as e:
-            write_err(f"smolctl: error: {rpc_error_message(e, socket_path(args.socket))}\n")
-            code = ERROR_EXIT
-        else:
-            print(key)
-    return code
