@@ -412,7 +412,11 @@ async def test_create_cancelled_by_the_client_destroys_the_machine(env: Env) -> 
     await wait_for(marker.exists)
     call.cancel()
     await wait_for(lambda: list(env.machines_dir.iterdir()) == [])
-    assert (await env.stub.ListMachines(pb.ListMachinesRequest())).machines == []
+    # The directory goes before the table entry (the machine is STOPPING meanwhile): wait for both.
+    deadline = time.monotonic() + 10
+    while (listed := (await env.stub.ListMachines(pb.ListMachinesRequest())).machines):
+        assert all(m.state == pb.MACHINE_STATE_STOPPING for m in listed) and time.monotonic() < deadline, listed
+        await asyncio.sleep(0.02)
 
 
 # --- copies -----------------------------------------------------------------------------------------------
