@@ -9,13 +9,17 @@ host as the test user: tests only use guest paths under their own temporary dire
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +171,22 @@ class DaemonProcess:
     def smolctl(self, *args: str, stdin: bytes | None = None, timeout: float = 60.0,
                 cwd: Path | None = None) -> subprocess.CompletedProcess[bytes]:
         return run_smolctl(self.socket, *args, stdin=stdin, timeout=timeout, cwd=cwd)
+
+
+@contextlib.contextmanager
+def daemon_in_tempdir(prefix: str, *extra: str, launcher: str = "daemon_support:HostAgentLauncher",
+                      check_exit: bool = False) -> Iterator[DaemonProcess]:
+    """A started DaemonProcess in a fresh directory under /tmp (short: AF_UNIX paths are limited), killed and
+    removed afterwards. ``check_exit``: when the block ends normally, stop it with SIGTERM and require 0."""
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    proc = DaemonProcess(d, *extra, launcher=launcher)
+    try:
+        yield proc.start()
+        if check_exit:
+            assert proc.terminate() == 0, proc.log_text()
+    finally:
+        proc.kill()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def run_smolctl(sock: Path, *args: str, stdin: bytes | None = None, timeout: float = 60.0,

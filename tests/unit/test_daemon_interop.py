@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_support import REPO, DaemonProcess
+from daemon_support import REPO, DaemonProcess, daemon_in_tempdir
 
 INTEROP = REPO / "tests" / "interop"
 pytestmark = [
@@ -33,11 +32,8 @@ def node_modules() -> Path:
 
 @pytest.fixture
 def daemon() -> Iterator[DaemonProcess]:
-    d = Path(tempfile.mkdtemp(prefix="smi-", dir="/tmp"))
-    proc = DaemonProcess(d).start()
-    yield proc
-    assert proc.terminate() == 0
-    shutil.rmtree(d, ignore_errors=True)
+    with daemon_in_tempdir("smi-", check_exit=True) as proc:
+        yield proc
 
 
 def test_node_client_create_exec_verify_destroy(node_modules: Path, daemon: DaemonProcess) -> None:

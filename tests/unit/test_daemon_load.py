@@ -12,14 +12,12 @@ import asyncio
 import os
 import random
 import secrets
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from daemon_support import DaemonProcess, processes_mentioning, wait_until
+from daemon_support import DaemonProcess, daemon_in_tempdir, processes_mentioning, wait_until
 
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
@@ -52,14 +50,8 @@ def children(pid: int) -> list[int]:
 
 @pytest.fixture
 def daemon() -> Iterator[DaemonProcess]:
-    workdir = Path(tempfile.mkdtemp(prefix="smld-", dir="/tmp"))   # short: AF_UNIX paths are limited
-    d = DaemonProcess(workdir, "--max-machines", str(MACHINES)).start()
-    try:
+    with daemon_in_tempdir("smld-", "--max-machines", str(MACHINES), check_exit=True) as d:
         yield d
-        assert d.terminate() == 0, d.log_text()
-    finally:
-        d.kill()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 async def exec_all(stub: pb_grpc.SmolStub, mid: str, argv: list[str]) -> tuple[bytes, int | None, int]:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from daemon_support import DaemonProcess
+from daemon_support import DaemonProcess, daemon_in_tempdir
 from test_run_task import write_task
 
 import smol
@@ -23,13 +22,8 @@ pytestmark = [pytest.mark.timeout(120),
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
-    d = Path(tempfile.mkdtemp(prefix="harb-", dir="/tmp"))
-    proc = DaemonProcess(d, launcher="sandbox_launcher:TaskLauncher").start()
-    try:
+    with daemon_in_tempdir("harb-", launcher="sandbox_launcher:TaskLauncher") as proc:
         yield proc
-    finally:
-        proc.kill()
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def env_config(**kw: object) -> SimpleNamespace:

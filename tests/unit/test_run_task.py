@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_support import DaemonProcess
+from daemon_support import DaemonProcess, daemon_in_tempdir
 
 from smolctl import taskdir
 
@@ -26,13 +25,8 @@ else echo 0 > /logs/verifier/reward.txt; fi
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
-    d = Path(tempfile.mkdtemp(prefix="rtask-", dir="/tmp"))
-    proc = DaemonProcess(d, launcher="sandbox_launcher:TaskLauncher").start()
-    try:
+    with daemon_in_tempdir("rtask-", launcher="sandbox_launcher:TaskLauncher") as proc:
         yield proc
-    finally:
-        proc.kill()
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def write_task(root: Path, name: str, solve: str, *, test: str = TEST_SH, toml: str = "",

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_support import DaemonProcess
+from daemon_support import DaemonProcess, daemon_in_tempdir
 
 import smol
 
@@ -18,13 +16,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
-    d = Path(tempfile.mkdtemp(prefix="sdk-", dir="/tmp"))
-    proc = DaemonProcess(d).start()
-    try:
+    with daemon_in_tempdir("sdk-") as proc:
         yield proc
-    finally:
-        proc.kill()
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_sync_machine_lifecycle(daemon: DaemonProcess) -> None:

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from daemon_support import DaemonProcess
+from daemon_support import DaemonProcess, daemon_in_tempdir
 
 from smolctl.output import Progress
 
@@ -20,13 +17,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
-    d = Path(tempfile.mkdtemp(prefix="cjson-", dir="/tmp"))
-    proc = DaemonProcess(d).start()
-    try:
+    with daemon_in_tempdir("cjson-") as proc:
         yield proc
-    finally:
-        proc.kill()
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_cp_logs_rm_json(daemon: DaemonProcess) -> None:
