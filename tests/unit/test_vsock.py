@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1275,7 +1275,10 @@ class AgentRelay:
         link[2] = True
 
 
-async def test_agent_client_over_vsock(sockdir: Path, mem: GuestMemory) -> None:
+@contextlib.asynccontextmanager
+async def agent_relay(sockdir: Path) -> AsyncIterator[AgentRelay]:
+    """The real guest agent as a host process, and a relay from the rig's guest side to its socket; the relay's
+    tasks are cancelled and the agent stopped afterwards."""
     agent_path = str(sockdir / "agent.sock")
     proc = subprocess.Popen([sys.executable, "-m", "smol_agent", "--listen", f"unix:{agent_path}"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -1285,6 +1288,18 @@ async def test_agent_client_over_vsock(sockdir: Path, mem: GuestMemory) -> None:
             assert proc.poll() is None and time.monotonic() < deadline, "agent did not start"
             await asyncio.sleep(0.01)
         relay = AgentRelay(agent_path)
+        try:
+            yield relay
+        finally:
+            for task in relay.tasks:
+                task.cancel()
+    finally:
+        proc.terminate()
+        proc.wait(5)
+
+
+async def test_agent_client_over_vsock(sockdir: Path, mem: GuestMemory) -> None:
+    async with agent_relay(sockdir) as relay:
         async with Rig(sockdir, mem, app=relay, auto_consume=False) as rig:
             rig.guest.listening.add(1024)
             client = await connect_vsock_uds(rig.path, 1024, timeout=10)  # CONNECT, OK, then HELLO
@@ -1294,11 +1309,6 @@ async def test_agent_client_over_vsock(sockdir: Path, mem: GuestMemory) -> None:
             finally:
                 await client.close()
             await rig.until(lambda: rig.dev.connections == ())
-            for task in relay.tasks:
-                task.cancel()
-    finally:
-        proc.terminate()
-        proc.wait(5)
 
 
 # -- guest floods: host buffering stays within what the device advertised ---------------------------------
@@ -1447,15 +1457,7 @@ async def test_backend_host_not_reading_bounds_guest_flood(sockdir: Path, mem: G
 async def test_agent_client_large_stdin_and_spilled_argv_over_vsock(sockdir: Path, mem: GuestMemory) -> None:
     """Inspect's large-input checks through the whole host path: 32 MiB of stdin (a ring's worth of wraps,
     the guest's 256 KiB credit window refilled hundreds of times) and a 1 MiB argv spilled to a file."""
-    agent_path = str(sockdir / "agent.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "smol_agent", "--listen", f"unix:{agent_path}"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 15
-        while not Path(agent_path).exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "agent did not start"
-            await asyncio.sleep(0.01)
-        relay = AgentRelay(agent_path)
+    async with agent_relay(sockdir) as relay:
         async with Rig(sockdir, mem, app=relay, auto_consume=False, buf_alloc=256 * 1024,
                        rx_buffers=128) as rig:
             rig.guest.listening.add(1024)
@@ -1472,8 +1474,3 @@ async def test_agent_client_large_stdin_and_spilled_argv_over_vsock(sockdir: Pat
                 await client.close()
             (flow,) = [f for f in rig.flows() if f.guest_port == 1024]
             assert flow.rx_cnt > len(data) and flow.max_in_flight <= flow.buf_alloc
-            for task in relay.tasks:
-                task.cancel()
-    finally:
-        proc.terminate()
-        proc.wait(5)
