@@ -6,9 +6,11 @@ import os
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from smold.api.v1 import smol_pb2 as pb
+
+from .types import MachineInfo
 
 DEFAULT_SOCKET = "/run/smold/smold.sock"
 SMOLFILE_NAME = "Smolfile.toml"
@@ -78,3 +80,25 @@ def copy_in_request(machine_id: str, path: str, content: bytes | str, *, mode: i
 def copy_out_request(machine_id: str, path: str, *, max_size: int, tar: bool) -> pb.CopyOutRequest:
     return pb.CopyOutRequest(machine_id=machine_id, path=path, max_size_bytes=max_size,
                              format=pb.COPY_FORMAT_TAR if tar else pb.COPY_FORMAT_FILE)
+
+
+ClientT = TypeVar("ClientT")
+
+
+class MachineHandle(Generic[ClientT]):
+    """What Machine and AsyncMachine share: the client they call through and the machine's last known info."""
+
+    def __init__(self, client: ClientT, info: MachineInfo) -> None:
+        self.client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id!r}, name={self.name!r})"

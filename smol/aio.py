@@ -182,23 +182,8 @@ class AsyncClient:
         return RunResult.from_proto(await self._call(self._stub.Run(req, timeout=self.timeout)))
 
 
-class AsyncMachine:
+class AsyncMachine(c.MachineHandle[AsyncClient]):
     """A handle on one machine; ``async with`` destroys it at the end of the block, even when cancelled."""
-
-    def __init__(self, client: AsyncClient, info: MachineInfo) -> None:
-        self.client = client
-        self.info = info
-
-    @property
-    def id(self) -> str:
-        return self.info.id
-
-    @property
-    def name(self) -> str:
-        return self.info.name
-
-    def __repr__(self) -> str:
-        return f"AsyncMachine(id={self.id!r}, name={self.name!r})"
 
     async def __aenter__(self) -> AsyncMachine:
         return self

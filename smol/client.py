@@ -160,23 +160,8 @@ class Client:
         return RunResult.from_proto(self._call(self._stub.Run, req))
 
 
-class Machine:
+class Machine(c.MachineHandle[Client]):
     """A handle on one machine; ``with`` destroys it at the end of the block."""
-
-    def __init__(self, client: Client, info: MachineInfo) -> None:
-        self.client = client
-        self.info = info
-
-    @property
-    def id(self) -> str:
-        return self.info.id
-
-    @property
-    def name(self) -> str:
-        return self.info.name
-
-    def __repr__(self) -> str:
-        return f"Machine(id={self.id!r}, name={self.name!r})"
 
     def __enter__(self) -> Machine:
         return self
