@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import threading
 import time
 from typing import Any
 
@@ -153,13 +155,11 @@ class Progress:
     erased when the call ends, whatever its outcome."""
 
     def __init__(self, what: str, *, stream: Any = None, interval: float = 0.5) -> None:
-        import sys
-
         self.what = what
         self.stream = stream if stream is not None else sys.stderr
         self.interval = interval
-        self._stop: Any = None
-        self._thread: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @property
     def enabled(self) -> bool:
@@ -168,9 +168,6 @@ class Progress:
 
     def __enter__(self) -> Progress:
         if self.enabled:
-            import threading
-
-            self._stop = threading.Event()
             self._thread = threading.Thread(target=self._tick, name="smolctl-progress", daemon=True)
             self._thread.start()
         return self
