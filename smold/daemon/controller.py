@@ -465,8 +465,7 @@ class Controller:
             id=mid, name=name, smolfile=smolfile, image=image.name, image_digest=image_digest or image.digest,
             smolfile_digest=digest(smolfile), state_dir=self.config.machines_dir / mid,
             created_at=datetime.now(UTC), launcher=self.launcher.kind, checkpoint=restore, boot_note=note,
-            image_env=getattr(image, "env", ()), image_cwd=getattr(image, "working_dir", ""),
-            image_user=getattr(image, "user", ""))
+            image_env=image.env, image_cwd=image.working_dir, image_user=image.user)
         self._machines[mid] = m
         m.create_task = asyncio.current_task()
         try:
