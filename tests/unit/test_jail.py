@@ -17,7 +17,7 @@ import pytest
 from smold.daemon.images import Image
 from smold.daemon.launcher import JailOptions, LaunchSpec, VmmLauncher
 from smold.jail.cgroup import Cgroup, CgroupError
-from smold.jail.jailer import JailError, JailSpec, minimal
+from smold.jail.jailer import JailError, JailSpec, minimal, python_paths
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the jail needs root")
 
@@ -124,8 +124,11 @@ def test_jailed_process_sees_only_its_jail(tmp_path: Path, base: Path) -> None:
     assert info["hostname"] == "smol-vmm"
     assert info["links"] == ["lo"]                          # no host interface: networking is off
     assert not info["secret_visible"] and not info["usr_writable"] and info["state_writable"]
+    # The system directories, plus the top of each path the interpreter and smold need (where the checkout
+    # and its venv live: /work here, elsewhere on a CI machine), and nothing more.
+    code_tops = {p.parts[1] for p in minimal(python_paths()) if len(p.parts) > 1}
     assert set(info["root"]) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "sys",
-                                 "tmp", "usr", "root", "work", "home", "opt", "var", "srv"}
+                                 "tmp", "usr"} | code_tops
     assert set(info["dev"]) <= {"kvm", "net", "null", "urandom"}
     assert set(info["etc"]) <= {"ld.so.cache", "localtime"}   # no passwd, no shadow, no host config
     assert (info["nnp"], info["nofile"], info["core"]) == ("1", 4096, 0)
