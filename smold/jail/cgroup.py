@@ -109,6 +109,28 @@ class Cgroup:
         raw = (d / ("memory.max" if self.v2 else "memory.limit_in_bytes")).read_text().strip()
         return -1 if raw == "max" else int(raw)
 
+    def memory_usage(self) -> int:
+        """Bytes charged to the cgroup now (v2 ``memory.current``, v1 ``memory.usage_in_bytes``)."""
+        d = self.dirs["" if self.v2 else "memory"]
+        return int((d / ("memory.current" if self.v2 else "memory.usage_in_bytes")).read_text())
+
+    def set_memory_limit(self, memory_bytes: int) -> None:
+        """Change the memory limit of a running cgroup. On v1 the memory+swap limit follows it, in the order
+        the kernel accepts (memory.limit_in_bytes may never exceed memory.memsw.limit_in_bytes)."""
+        if memory_bytes <= 0:
+            raise CgroupError(f"bad memory limit {memory_bytes}")
+        if self.v2:
+            _write(self.dirs[""] / "memory.max", str(memory_bytes))
+            return
+        mem = self.dirs["memory"]
+        memsw = mem / "memory.memsw.limit_in_bytes"
+        order = ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]
+        if memsw.exists() and memory_bytes > int(memsw.read_text()):
+            order.reverse()
+        for name in order:
+            if name == "memory.limit_in_bytes" or memsw.exists():
+                _write(mem / name, str(memory_bytes))
+
     def oom_kills(self) -> int:
         """How many processes the kernel's OOM killer took from this cgroup."""
         path = self.dirs[""] / "memory.events" if self.v2 else self.dirs["memory"] / "memory.oom_control"

@@ -16,7 +16,7 @@ import pytest
 
 from smold.daemon.images import Image
 from smold.daemon.launcher import JailOptions, LaunchSpec, VmmLauncher
-from smold.jail.cgroup import Cgroup, CgroupError
+from smold.jail.cgroup import Cgroup, CgroupError, Limits
 from smold.jail.jailer import JailError, JailSpec, minimal, python_paths
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the jail needs root")
@@ -204,3 +204,21 @@ async def test_jailed_snapshot_is_written_in_the_state_dir_and_moved_into_place(
     assert asked == [str(state / "snapshot.out")]
     assert (target / "state.bin").read_text() == "s" and not (state / "snapshot.out").exists()
     assert info["directory"] == str(target)
+
+
+def test_a_running_cgroups_memory_limit_can_be_lowered_and_raised() -> None:
+    cg = Cgroup(f"setlim-{os.getpid()}", "smol-test")
+    cg.create(Limits(memory_bytes=256 * MiB, cpus=1))
+    try:
+        cg.set_memory_limit(128 * MiB)     # below the memory+swap limit (v1): memory first
+        assert cg.memory_limit() == 128 * MiB
+        cg.set_memory_limit(512 * MiB)     # above it: memory+swap first, or the kernel refuses
+        assert cg.memory_limit() == 512 * MiB
+        if not cg.v2 and (cg.dirs["memory"] / "memory.memsw.limit_in_bytes").exists():
+            assert int((cg.dirs["memory"] / "memory.memsw.limit_in_bytes").read_text()) == 512 * MiB
+        assert cg.memory_usage() == 0      # no process in it
+        with pytest.raises(CgroupError, match="bad memory limit"):
+            cg.set_memory_limit(0)
+    finally:
+        cg.remove()
+    assert not cg.dirs["" if cg.v2 else "memory"].exists()
