@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import enum
 import io
+import json
 import logging
+import math
 import shlex
 import tarfile
 import time
@@ -24,6 +26,10 @@ from .errors import NotFoundError
 try:  # pragma: no cover - depends on whether Harbor is installed
     from harbor.environments.base import BaseEnvironment as _Base  # type: ignore[import-not-found]
     from harbor.environments.base import ExecResult  # type: ignore[import-not-found]
+    from harbor.environments.capabilities import (  # type: ignore[import-not-found]
+        EnvironmentCapabilities,
+        EnvironmentResourceCapabilities,
+    )
     HAVE_HARBOR = True
 except ImportError:
     HAVE_HARBOR = False
@@ -37,12 +43,32 @@ except ImportError:
         stdout: str | None = None
         stderr: str | None = None
 
+    @dataclass(frozen=True)
+    class EnvironmentCapabilities:  # type: ignore[no-redef]
+        """The fields of Harbor's EnvironmentCapabilities that SmolEnvironment sets (all others are False)."""
+
+        disable_internet: bool = False
+        network_allowlist: bool = False
+        network_allowlist_hostnames: bool = False
+        network_allowlist_ipv4_addresses: bool = False
+        network_allowlist_ipv4_cidrs: bool = False
+        gpus: bool = False
+        mounted: bool = False
+
+    @dataclass(frozen=True)
+    class EnvironmentResourceCapabilities:  # type: ignore[no-redef]
+        """The fields of Harbor's EnvironmentResourceCapabilities that SmolEnvironment sets."""
+
+        cpu_limit: bool = False
+        memory_limit: bool = False
+
     class _Base:  # type: ignore[no-redef]
         """The part of Harbor's BaseEnvironment constructor and helpers SmolEnvironment relies on."""
 
         def __init__(self, environment_dir: Path, environment_name: str, session_id: str, trial_paths: Any,
                      task_env_config: Any, logger: logging.Logger | None = None, *args: Any,
-                     persistent_env: dict[str, str] | None = None, **kwargs: Any) -> None:
+                     persistent_env: dict[str, str] | None = None, network_policy: Any = None,
+                     **kwargs: Any) -> None:
             self.environment_dir = Path(environment_dir)
             self.environment_name = environment_name
             self.session_id = session_id
@@ -50,9 +76,10 @@ except ImportError:
             self.task_env_config = task_env_config
             self.default_user: str | int | None = None
             self._persistent_env = dict(persistent_env or {})
+            self._network_policy = network_policy
             self.logger = logger or logging.getLogger(__name__)
             self._validate_definition()
-            self._validate_internet_config()
+            self._validate_network_policy_support()
 
         def _resolve_user(self, user: str | int | None) -> str | int | None:
             return user if user is not None else self.default_user
@@ -63,7 +90,15 @@ except ImportError:
 
         def _validate_definition(self) -> None: ...
 
-        def _validate_internet_config(self) -> None: ...
+        def _validate_network_policy_support(self) -> None: ...
+
+        @property
+        def _effective_cpus(self) -> int | float | None:
+            return getattr(self.task_env_config, "cpus", None)
+
+        @property
+        def _effective_memory_mb(self) -> int | None:
+            return getattr(self.task_env_config, "memory_mb", None)
 
 TIMEOUT_EXIT = 124  # as timeout(1): what exec returns when timeout_sec passes
 
@@ -78,11 +113,22 @@ class SmolEnvironment(_Base):
     """A Harbor trial's environment in a fresh smol microVM, built from the task's environment/Dockerfile.
 
     The Dockerfile subset is smolctl run-task's (FROM is ignored, WORKDIR/ENV/COPY/RUN run on smol's
-    default image, anything else is refused). The VM has no network: tasks that allow the internet are refused.
+    default image, anything else is refused).
+
+    Network policies (Harbor's [environment] network_mode) are enforced, not approximated: ``no-network``
+    gives a machine with no NIC; ``allowlist`` becomes the Smolfile's ``network = { allow = [...] }``
+    (host names, IPv4 addresses and CIDRs; the guest has no IPv6 and smol's resolver has no wildcards, so
+    those entries are refused by Harbor's own check against ``capabilities``); ``public`` (Harbor's
+    default) is refused, because smol never gives a guest the whole internet, unless the run says
+    ``--environment-kwarg public_network=off``: then such tasks run with no network at all.
     """
 
-    def __init__(self, *args: Any, socket: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, socket: str | None = None, public_network: str = "refuse",
+                 **kwargs: Any) -> None:
+        if public_network not in ("refuse", "off"):
+            raise ValueError(f"smol environment: public_network must be 'refuse' or 'off', not {public_network!r}")
         self._socket = socket
+        self._public_network = public_network
         self._task: taskdir.Task | None = None
         super().__init__(*args, **kwargs)
         self.client = AsyncClient(socket)
@@ -93,20 +139,16 @@ class SmolEnvironment(_Base):
         return SmolEnvironmentType.SMOL
 
     @property
-    def is_mounted(self) -> bool:
-        return False  # logs are inside the VM; Harbor downloads them
+    def capabilities(self) -> Any:
+        """What smol enforces (Harbor checks each task's network policy and GPUs against this)."""
+        return EnvironmentCapabilities(disable_internet=True, network_allowlist=True,
+                                       network_allowlist_hostnames=True, network_allowlist_ipv4_addresses=True,
+                                       network_allowlist_ipv4_cidrs=True)
 
-    @property
-    def supports_gpus(self) -> bool:
-        return False
-
-    @property
-    def can_disable_internet(self) -> bool:
-        return True  # smol machines have no network unless a Smolfile allows it
-
-    @property
-    def supports_dynamic_network_policy(self) -> bool:
-        return False
+    @classmethod
+    def resource_capabilities(cls) -> Any:
+        """vCPUs and guest RAM are hard ceilings; a machine gets exactly what it asks for, nothing is shared."""
+        return EnvironmentResourceCapabilities(cpu_limit=True, memory_limit=True)
 
     def _validate_definition(self) -> None:
         dockerfile = Path(self.environment_dir) / "Dockerfile"
@@ -118,23 +160,49 @@ class SmolEnvironment(_Base):
                 raise ValueError(f"smol environment: {e}") from None
         self._task = task
 
-    def _validate_internet_config(self) -> None:
-        if getattr(self.task_env_config, "allow_internet", False):
-            raise ValueError("allow_internet=True is not supported by the smol environment yet: its machines have "
-                             "no network (set allow_internet = false in task.toml's [environment])")
+    def _policies(self) -> list[tuple[str, list[str]]]:
+        """(mode, allowed hosts) of the startup policy and every phase policy. Without Harbor's policies
+        (older Harbor, the stand-in base) the task's allow_internet decides between public and no-network."""
+        policies = [getattr(self, "_network_policy", None), *getattr(self, "_phase_network_policies", [])]
+        out: list[tuple[str, list[str]]] = []
+        for p in policies:
+            if p is None:
+                public = getattr(self.task_env_config, "allow_internet", False)
+                out.append(("public" if public else "no-network", []))
+            else:
+                mode = p.network_mode
+                out.append((str(getattr(mode, "value", mode)), list(p.allowed_hosts or [])))
+        return out
+
+    def _validate_network_policy_support(self) -> None:
+        super()._validate_network_policy_support()
+        if self._public_network == "off":
+            return
+        for mode, _ in self._policies():
+            if mode == "public":
+                raise ValueError("network_mode='public' is not supported by the smol environment: a smol machine "
+                                 "never has the whole internet. Set network_mode = \"no-network\" or an "
+                                 "\"allowlist\" with allowed_hosts in task.toml's [environment], or pass "
+                                 "--environment-kwarg public_network=off to run such tasks with no network at all")
+
+    def smolfile_toml(self) -> str:
+        """The Smolfile the machine is created from: the task's CPUs, memory and network policy."""
+        lines = []
+        cpus, memory = self._effective_cpus, self._effective_memory_mb
+        if cpus:
+            lines.append(f"cpus = {max(1, math.ceil(float(cpus)))}")
+        if memory:
+            lines.append(f'memory = "{int(memory)}M"')
+        mode, hosts = self._policies()[0]
+        if mode == "allowlist" and hosts:
+            lines.append(f"network = {{ allow = [{', '.join(json.dumps(h) for h in hosts)}] }}")
+        return "\n".join([*lines, "[timeouts]", "boot = 900", ""])
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     async def start(self, force_build: bool = False) -> None:
-        cpus = getattr(self.task_env_config, "cpus", None)
-        memory = getattr(self.task_env_config, "memory_mb", None)
-        toml = "[timeouts]\nboot = 900\n"
-        if cpus:
-            toml = f"cpus = {int(cpus)}\n" + toml
-        if memory:
-            toml = f'memory = "{int(memory)}M"\n' + toml
         assert self._task is not None
         name = f"harbor-{uuid.uuid4().hex[:12]}"
-        machine = await self.client.create(toml=toml, base_dir=self.environment_dir, name=name)
+        machine = await self.client.create(toml=self.smolfile_toml(), base_dir=self.environment_dir, name=name)
         self.machine_id = machine.id
         try:
             await self._build(self._task, time.monotonic() + float(getattr(self.task_env_config, "build_timeout_sec",
@@ -163,7 +231,7 @@ class SmolEnvironment(_Base):
                                    f"({'timed out' if res.timed_out else f'exit {res.returncode}'}): "
                                    f"{(res.stdout + res.stderr).decode(errors='replace')[-2000:]}")
         self._persistent_env: dict[str, str] = {**task.env, **self._persistent_env}
-        res = await self.client.exec(self._id, ["mkdir", "-p", "/logs/agent", "/logs/verifier"])
+        res = await self.client.exec(self._id, ["mkdir", "-p", "/logs/agent", "/logs/verifier", "/logs/artifacts"])
         if res.exit_code != 0:
             raise RuntimeError(f"smol environment: mkdir /logs failed: {res.stderr.decode(errors='replace')}")
 

@@ -72,7 +72,8 @@ async def test_network_is_off(daemon: DaemonProcess, tmp_path: Path) -> None:
 async def test_exec_files_and_capabilities(daemon: DaemonProcess, tmp_path: Path) -> None:
     task = write_task(tmp_path, "files", "true\n", dockerfile="FROM debian\nWORKDIR /app\nENV A=1\n")
     env = make_env(daemon, task)
-    assert (env.can_disable_internet, env.supports_gpus, env.is_mounted) == (True, False, False)
+    caps = env.capabilities
+    assert (caps.disable_internet, caps.network_allowlist, caps.gpus, caps.mounted) == (True, True, False, False)
     assert env.type().value == "smol"
     await env.start(force_build=True)
     try:
@@ -93,7 +94,7 @@ async def test_exec_files_and_capabilities(daemon: DaemonProcess, tmp_path: Path
 
 def test_refuses_internet_and_unsupported_dockerfiles(daemon: DaemonProcess, tmp_path: Path) -> None:
     task = write_task(tmp_path, "inet", "true\n")
-    with pytest.raises(ValueError, match="allow_internet=True is not supported"):
+    with pytest.raises(ValueError, match="network_mode='public' is not supported"):
         make_env(daemon, task, allow_internet=True)
     bad = write_task(tmp_path, "add", "true\n", dockerfile="FROM debian\nADD http://x/y /y\n")
     with pytest.raises(ValueError, match="ADD is not supported"):

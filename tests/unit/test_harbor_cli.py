@@ -1,0 +1,144 @@
+"""The real Harbor (0.26, Python >= 3.12) runs trials in smol.harbor_env.SmolEnvironment: ``harbor trials
+start -a oracle --env smol.harbor_env:SmolEnvironment`` on task directories these tests write.
+
+Harbor runs in its own interpreter, ``$SMOL_HARBOR_PYTHON`` (``.ci/harbor-python`` builds it; CI always sets
+it, elsewhere the tests are skipped without it). The daemon's machines are the task launcher's sandboxes
+(tests/unit/sandbox_launcher.py: the real guest agent on the host, no network), so no KVM is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_support import DaemonProcess, daemon_in_tempdir
+from test_run_task import write_task
+
+import smol
+
+ROOT = Path(__file__).resolve().parents[2]
+HARBOR_PYTHON = os.environ.get("SMOL_HARBOR_PYTHON", "")
+NO_NETWORK = '[environment]\nnetwork_mode = "no-network"\n'
+
+if not HARBOR_PYTHON and os.environ.get("CI"):
+    raise RuntimeError("CI must set SMOL_HARBOR_PYTHON (.ci/harbor-python builds it)")
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(not HARBOR_PYTHON, reason="SMOL_HARBOR_PYTHON is not set (.ci/harbor-python)"),
+              pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                                 reason="the task launcher needs root and unshare(1)")]
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    with daemon_in_tempdir("hcli-", launcher="sandbox_launcher:TaskLauncher") as proc:
+        yield proc
+
+
+def harbor_env(daemon: DaemonProcess, home: Path) -> dict[str, str]:
+    return {**os.environ, "SMOL_SOCKET": str(daemon.socket), "PYTHONPATH": str(ROOT), "HOME": str(home),
+            "COLUMNS": "500", "NO_COLOR": "1"}
+
+
+def trial(daemon: DaemonProcess, task: Path, out: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str],
+                                                                              dict | None]:
+    """One Harbor trial with the oracle agent; its process and result.json (None if Harbor wrote none)."""
+    name = f"{task.name}__{uuid.uuid4().hex[:6]}"
+    bindir = Path(HARBOR_PYTHON).parent
+    r = subprocess.run([str(bindir / "harbor"), "trials", "start", "-p", str(task), "-a", "oracle",
+                        "--env", "smol.harbor_env:SmolEnvironment", "--trials-dir", str(out), "--trial-name", name,
+                        *extra], capture_output=True, text=True, timeout=240, env=harbor_env(daemon, out / "home"))
+    result = out / name / "result.json"
+    return r, json.loads(result.read_text()) if result.exists() else None
+
+
+def reward(result: dict | None) -> float | None:
+    assert result is not None
+    rewards = (result.get("verifier_result") or {}).get("rewards") or {}
+    return rewards.get("reward")
+
+
+def machines(daemon: DaemonProcess) -> list:
+    with smol.Client(daemon.socket) as c:
+        return c.list()
+
+
+def test_passing_and_failing_oracles_give_their_rewards(daemon: DaemonProcess, tmp_path: Path) -> None:
+    good = write_task(tmp_path, "good", "echo $EXPECTED > answer.txt\n", toml=NO_NETWORK)
+    bad = write_task(tmp_path, "bad", "echo 41 > answer.txt\n", toml=NO_NETWORK)
+    r, result = trial(daemon, good, tmp_path / "t")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert reward(result) == 1.0 and result is not None and result.get("exception_info") is None, result
+    # Harbor downloaded the logs out of the machine: the oracle's output and the verifier's reward.
+    trial_dir = tmp_path / "t" / result["trial_name"]
+    assert (trial_dir / "verifier" / "reward.txt").read_text().strip() == "1"
+    assert (trial_dir / "agent" / "oracle.txt").exists()
+    r, result = trial(daemon, bad, tmp_path / "t")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert reward(result) == 0.0
+    assert machines(daemon) == []    # every trial's machine is destroyed
+
+
+def test_a_task_without_network_that_tries_to_use_it_fails(daemon: DaemonProcess, tmp_path: Path) -> None:
+    solve = ("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 80), timeout=5)\" "
+             "&& echo $EXPECTED > answer.txt\n")
+    task = write_task(tmp_path, "net", solve, toml=NO_NETWORK)
+    r, result = trial(daemon, task, tmp_path / "t")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert reward(result) == 0.0
+    assert result is not None
+    oracle = (tmp_path / "t" / result["trial_name"] / "agent" / "oracle.txt").read_text()
+    assert "Network is unreachable" in oracle, oracle
+    assert machines(daemon) == []
+
+
+def test_public_network_is_refused_unless_the_run_turns_it_off(daemon: DaemonProcess, tmp_path: Path) -> None:
+    task = write_task(tmp_path, "public", "echo $EXPECTED > answer.txt\n")   # Harbor's default: public
+    r, _ = trial(daemon, task, tmp_path / "t")
+    said = " ".join((r.stdout + r.stderr).split())
+    assert r.returncode != 0 and "network_mode='public' is not supported by the smol environment" in said, said
+    assert machines(daemon) == []    # refused before any machine was created
+    r, result = trial(daemon, task, tmp_path / "t", "--environment-kwarg", "public_network=off")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert reward(result) == 1.0
+
+
+CHECK_POLICIES = r"""
+import json, sys
+from pathlib import Path
+from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
+from smol.harbor_env import SmolEnvironment
+env_dir = Path(sys.argv[1])
+def make(**policy):
+    return SmolEnvironment(env_dir, "t", "t__1", None, EnvironmentConfig(cpus=2, memory_mb=768),
+                           network_policy=NetworkPolicy(**policy))
+out = {"allow": make(network_mode=NetworkMode.ALLOWLIST,
+                     allowed_hosts=["example.org", "192.0.2.7", "10.0.0.0/8"]).smolfile_toml(),
+       "off": make(network_mode=NetworkMode.NO_NETWORK).smolfile_toml()}
+for hosts in (["*.example.org"], ["2001:db8::1"]):
+    try:
+        make(network_mode=NetworkMode.ALLOWLIST, allowed_hosts=hosts)
+        out[hosts[0]] = "accepted"
+    except ValueError as e:
+        out[hosts[0]] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_network_policies_become_the_smolfile_or_are_refused_by_harbor(daemon: DaemonProcess,
+                                                                        tmp_path: Path) -> None:
+    task = write_task(tmp_path, "pol", "true\n")
+    r = subprocess.run([HARBOR_PYTHON, "-c", CHECK_POLICIES, str(task / "environment")], capture_output=True,
+                       text=True, timeout=120, env=harbor_env(daemon, tmp_path))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["allow"] == ('cpus = 2\nmemory = "768M"\nnetwork = { allow = ["example.org", "192.0.2.7", '
+                            '"10.0.0.0/8"] }\n[timeouts]\nboot = 900\n')
+    assert out["off"] == 'cpus = 2\nmemory = "768M"\n[timeouts]\nboot = 900\n'     # no NIC at all
+    assert "wildcard hostnames is not supported" in out["*.example.org"]
+    assert "IPv6 addresses is not supported" in out["2001:db8::1"]
