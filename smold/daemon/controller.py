@@ -224,10 +224,11 @@ class Controller:
         await asyncio.to_thread(self._clean_checkpoint_dirs)
 
     async def _clean_network(self, machine_dir: Path) -> None:
-        """Remove the namespace and uplink of a machine that is not re-adopted (only this daemon's own:
-        another daemon on the host may run machines of its own)."""
+        """Remove the namespace and uplink (and jail remains) of a machine that is not re-adopted (only this
+        daemon's own: another daemon on the host may run machines of its own)."""
         if not ID_RE.fullmatch(machine_dir.name):
             return
+        await asyncio.to_thread(self.launcher.cleanup, machine_dir.name)
         try:
             await self.network.teardown_machine(machine_dir.name)
         except (NetError, OSError) as e:
@@ -832,6 +833,8 @@ class Controller:
             m.destroy_requested = True
             m.create_task.cancel()
         await self._stop_process(m)
+        if m.proc is None or m.exited.is_set():
+            await asyncio.to_thread(self.launcher.cleanup, m.id)
         if m.net is not None or m.smolfile.network.enabled:
             await self._read_network(m)
             try:
@@ -891,6 +894,7 @@ class Controller:
             out.append(f"{m.state_dir} still exists")
         if m.smolfile.network.enabled:
             out.extend(self.network.leftovers(m.id))
+        out.extend(self.launcher.leftovers(m.id))
         return out
 
     # --- checkpoints and fork ---------------------------------------------------------------------------------

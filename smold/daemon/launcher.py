@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import importlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -26,6 +28,8 @@ from smold.agent import AgentClient, connect_vsock_uds
 from .errors import LaunchError
 from .images import Image
 from .process import ChildProcess
+
+log = logging.getLogger("smold.launcher")
 
 READY_FILE = "ready.json"   # written by the VM process once its guest agent answers (removed at exit)
 EXIT_FILE = "exit.json"     # written by the VMM when it ends: {kind, detail, error, exit_code}
@@ -117,6 +121,14 @@ class Launcher(abc.ABC):
     async def connect(self, state_dir: Path, ready: dict[str, Any], timeout: float = 10.0) -> AgentClient:
         """A new connection to the machine's guest agent (HELLO done)."""
 
+    def cleanup(self, machine_id: str) -> None:
+        """Remove what the VM process's launch left on the host outside its state directory, once the
+        process is gone (nothing here; the jail: its cgroup and mount point)."""
+
+    def leftovers(self, machine_id: str) -> list[str]:
+        """What ``cleanup`` should have removed and still exists."""
+        return []
+
 
 def read_ready(path: Path) -> dict[str, Any] | None:
     """The ready file's JSON object, or None while it is missing or incomplete."""
@@ -165,6 +177,29 @@ class VmmLauncher(Launcher):
                 "--state-dir", str(spec.state_dir), "--jail-base", str(j.base), *ro,
                 "--memory-bytes", str((spec.memory_mib + j.memory_overhead_mib) << 20), "--cpus", str(spec.cpus),
                 "--cgroup-parent", j.cgroup_parent, *(["--keep-netns"] if spec.netns_prefix else []), "--", *argv]
+
+    def _jail_paths(self, machine_id: str) -> list[Path]:
+        if self.jail is None:
+            return []
+        from smold.jail.cgroup import Cgroup, CgroupError  # the jail package only when jailing
+        try:
+            dirs = list(Cgroup(machine_id, self.jail.cgroup_parent).dirs.values())
+        except CgroupError:
+            dirs = []
+        return [*dirs, self.jail.base / machine_id]
+
+    def cleanup(self, machine_id: str) -> None:
+        """A jailer that ended normally removed its cgroup and mount point; one killed by SIGKILL (a destroy
+        that had to escalate) could not. Both are empty directories once the VMM is gone."""
+        for d in self._jail_paths(machine_id):
+            with contextlib.suppress(FileNotFoundError):
+                try:
+                    d.rmdir()
+                except OSError as e:
+                    log.warning("machine %s: cannot remove %s: %s", machine_id, d, e.strerror or e)
+
+    def leftovers(self, machine_id: str) -> list[str]:
+        return [f"{d} still exists" for d in self._jail_paths(machine_id) if d.exists()]
 
     async def snapshot(self, state_dir: Path, directory: Path, timeout: float = 300.0, *,
                        digest: bool = False) -> dict[str, Any]:

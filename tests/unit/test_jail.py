@@ -222,3 +222,27 @@ def test_a_running_cgroups_memory_limit_can_be_lowered_and_raised() -> None:
     finally:
         cg.remove()
     assert not cg.dirs["" if cg.v2 else "memory"].exists()
+
+
+def test_launcher_cleanup_removes_what_a_killed_jailer_left(tmp_path: Path) -> None:
+    """A jailer killed by SIGKILL leaves its (empty) cgroup and jail mount point; the daemon's destroy calls
+    VmmLauncher.cleanup, and leftovers() reports what could not go."""
+    launcher = VmmLauncher(jail=JailOptions(base=tmp_path / "jails", cgroup_parent="smol-test"))
+    mid = f"m-{os.getpid():012x}"
+    cg = Cgroup(mid, "smol-test")
+    cg.create(Limits(memory_bytes=64 * MiB, cpus=1))
+    (tmp_path / "jails" / mid).mkdir(parents=True)
+    try:
+        assert sorted(launcher.leftovers(mid)) == sorted(
+            [f"{d} still exists" for d in cg.dirs.values()] + [f"{tmp_path / 'jails' / mid} still exists"])
+        (tmp_path / "jails" / mid / "busy").mkdir()        # not empty: cannot go, and is reported
+        launcher.cleanup(mid)
+        assert launcher.leftovers(mid) == [f"{tmp_path / 'jails' / mid} still exists"]
+        assert not any(d.exists() for d in cg.dirs.values())
+        (tmp_path / "jails" / mid / "busy").rmdir()
+        launcher.cleanup(mid)
+        assert launcher.leftovers(mid) == []
+        launcher.cleanup(mid)                               # nothing left to remove: no error
+    finally:
+        cg.remove(0)
+    assert VmmLauncher().leftovers(mid) == []             # without a jail there is nothing to clean
