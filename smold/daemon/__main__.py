@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
                     help=f"largest CopyIn/CopyOut content and mount archive ({DEFAULT_COPY_CAP})")
     ap.add_argument("--destroy-grace", type=float, default=10.0, metavar="S",
                     help="seconds between SIGTERM and SIGKILL of a VM process being destroyed (10)")
+    ap.add_argument("--agent-connect-timeout", type=float, default=60.0, metavar="S",
+                    help="seconds a request waits to connect to a machine's guest agent; a guest busy starting "
+                         "many commands (or an emulated one) answers late (60)")
     ap.add_argument("--keep-failed", type=int, default=16,
                     help="failed machines kept for inspection; older ones are removed (16)")
     ap.add_argument("--on-shutdown", choices=("destroy", "leave"), default="destroy",
@@ -78,6 +81,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         socket_path=args.socket.absolute(), socket_mode=args.socket_mode, socket_group=args.group,
         state_dir=args.state_dir.absolute(), max_machines=args.max_machines, max_memory_mib=args.max_memory,
         max_cpus=args.max_cpus, copy_cap_bytes=args.max_copy_bytes, destroy_grace_s=args.destroy_grace,
+        agent_connect_timeout_s=args.agent_connect_timeout,
         keep_failed=args.keep_failed, on_shutdown=args.on_shutdown, launcher=args.launcher,
         images=tuple(parse_image_option(i) for i in args.image), tcp=args.tcp,
         tls_cert=args.tls_cert and args.tls_cert.absolute(), tls_key=args.tls_key and args.tls_key.absolute(),

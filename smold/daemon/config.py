@@ -44,6 +44,7 @@ class DaemonConfig:
     copy_cap_bytes: int = DEFAULT_COPY_CAP  # CopyIn/CopyOut content and mount archives
     destroy_grace_s: float = 10.0  # SIGTERM -> SIGKILL
     boot_grace_s: float = 30.0  # waited past the Smolfile's boot timeout before killing the VMM
+    agent_connect_timeout_s: float = 60.0  # connect + HELLO to a guest agent (a busy guest answers late)
     keep_failed: int = 16  # failed machines kept for inspection; the oldest are removed beyond this
     on_shutdown: str = "destroy"  # "destroy" or "leave" (re-adopted by the next daemon)
     launcher: str = "vmm"  # "vmm" or "module:attribute" naming a Launcher factory (tests)
@@ -101,6 +102,8 @@ class DaemonConfig:
             raise ValueError("--keep-failed must not be negative")
         if self.on_shutdown not in ("destroy", "leave"):
             raise ValueError("--on-shutdown must be 'destroy' or 'leave'")
+        if self.agent_connect_timeout_s <= 0:
+            raise ValueError("--agent-connect-timeout must be positive")
         if self.max_concurrent_calls < 1:
             raise ValueError("--max-concurrent-calls must be at least 1")
         if any(not p.is_absolute() for p in self.mount_roots):

@@ -107,7 +107,6 @@ log = logging.getLogger("smold.controller")
 ID_RE = re.compile(r"m-[0-9a-f]{12}")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 TOMBSTONES = 1024          # destroyed ids remembered, to answer "was destroyed" rather than "no such machine"
-CONNECT_TIMEOUT_S = 10.0
 ADOPT_HEALTH_TIMEOUT_S = 10.0
 LIVE = (MachineState.CREATING, MachineState.RUNNING)
 CHECKPOINT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
@@ -669,8 +668,8 @@ class Controller:
         if m.ready is None:
             raise GuestUnavailableError(f"machine {m.id}: the guest agent is not ready")
         try:
-            client = await asyncio.wait_for(self.launcher.connect(m.state_dir, m.ready, CONNECT_TIMEOUT_S),
-                                            CONNECT_TIMEOUT_S + 1)
+            timeout = self.config.agent_connect_timeout_s
+            client = await asyncio.wait_for(self.launcher.connect(m.state_dir, m.ready, timeout), timeout + 1)
         except (AgentError, OSError, TimeoutError) as e:
             raise await self._unavailable(m, f"cannot reach the guest agent: {e}") from None
         try:

@@ -54,10 +54,11 @@ def daemon() -> Iterator[DaemonProcess]:
         yield d
 
 
-async def exec_all(stub: pb_grpc.SmolStub, mid: str, argv: list[str]) -> tuple[bytes, int | None, int]:
+async def exec_all(stub: pb_grpc.SmolStub, mid: str, argv: list[str],
+                   timeout: int = 120) -> tuple[bytes, int | None, int]:
     """Run to the end: (stdout, exit code, number of exit events)."""
     out, code, exits = b"", None, 0
-    async for msg in stub.Exec(pb.ExecRequest(machine_id=mid, argv=argv, timeout_seconds=120)):
+    async for msg in stub.Exec(pb.ExecRequest(machine_id=mid, argv=argv, timeout_seconds=timeout)):
         which = msg.WhichOneof("event")
         if which == "stdout":
             out += msg.stdout
@@ -67,11 +68,11 @@ async def exec_all(stub: pb_grpc.SmolStub, mid: str, argv: list[str]) -> tuple[b
     return out, code, exits
 
 
-async def exec_and_leave(sock: Path, mid: str, argv: list[str]) -> bytes:
+async def exec_and_leave(sock: Path, mid: str, argv: list[str], timeout: int = 120) -> bytes:
     """A client on its own connection that reads the first output, then goes away (the channel closes)."""
     channel = grpc.aio.insecure_channel(f"unix:{sock}")
     try:
-        call = pb_grpc.SmolStub(channel).Exec(pb.ExecRequest(machine_id=mid, argv=argv, timeout_seconds=120))
+        call = pb_grpc.SmolStub(channel).Exec(pb.ExecRequest(machine_id=mid, argv=argv, timeout_seconds=timeout))
         async for msg in call:
             if msg.WhichOneof("event") == "stdout":
                 return msg.stdout

@@ -194,3 +194,38 @@ async def test_boot_timeout_through_the_api_fails_the_machine_and_leaves_nothing
         assert (await stub.ListMachines(pb.ListMachinesRequest())).machines == []
     finally:
         await stop()
+
+
+async def test_a_busy_agent_is_waited_for_up_to_the_connect_timeout(workdir: Path) -> None:
+    """A guest agent that answers late (a guest busy starting commands, an emulated kernel) delays a request
+    up to --agent-connect-timeout; past it the request fails UNAVAILABLE and says so."""
+    async def exec_echo(stub: pb_grpc.SmolStub) -> bytes:
+        out = b""
+        async for msg in stub.Exec(pb.ExecRequest(machine_id="busy", argv=["echo", "late"])):
+            out += msg.stdout
+        return out
+
+    for timeout, resume_after in ((1.0, None), (30.0, 3.0)):
+        stub, stop, machines = await start(workdir, HostAgentLauncher(), agent_connect_timeout_s=timeout)
+        try:
+            m = (await stub.CreateMachine(pb.CreateMachineRequest(name="busy", smolfile=spec()))).machine
+            pid = agent_pid(machines / m.id)
+            os.kill(pid, signal.SIGSTOP)   # accepts connections (the kernel's backlog), answers nothing
+            if resume_after is not None:
+                asyncio.get_running_loop().call_later(resume_after, os.kill, pid, signal.SIGCONT)
+            t0 = time.monotonic()
+            try:
+                if resume_after is None:
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await exec_echo(stub)
+                    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                    assert "cannot reach the guest agent: agent did not answer HELLO" in (e.value.details() or "")
+                    assert timeout <= time.monotonic() - t0 < timeout + 5
+                else:
+                    assert await exec_echo(stub) == b"late\n"
+                    assert time.monotonic() - t0 >= resume_after
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            await stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))
+        finally:
+            await stop()
