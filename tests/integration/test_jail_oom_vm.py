@@ -1,20 +1,28 @@
-"""A real microVM exceeding its memory limit, through the daemon with ``--jail`` (issue 7).
+"""Real microVMs through the daemon with ``--jail`` (issue 7): a VM over its memory limit, and load.
 
-One boot (the bake, inside its jail), then two machines restored from it, each jailed in its own cgroup.
-The victim's cgroup limit is lowered to what it uses now plus a little, and its guest fills /dev/shm: the
-kernel's OOM killer takes its VMM, the daemon reports the machine FAILED with the reason, and the neighbour
-keeps running and executing. Destroy leaves no process, cgroup or jail behind.
+One boot (the bake, inside its jail) for the module; every machine after it is restored from the bake, each
+VMM jailed in its own cgroup.
 
-Why lower the limit at run time instead of creating a small machine: the jail's limit is the guest's RAM plus
-the VMM's own overhead, so a guest cannot pass it by filling its RAM; only a VMM that grows (or an operator
-who shrinks the limit) can. And on an emulated-KVM host a guest dirties memory at well under 1 MiB/s
-(each page is emulated guest kernel work: docs/pvm-emulator.md), so a margin of tens of MiB is what a test
-can afford to fill.
+- Memory: the victim's cgroup limit is lowered to what it uses now plus a little, and its guest fills
+  /dev/shm: the kernel's OOM killer takes its VMM, the daemon reports the machine FAILED with the reason,
+  and the neighbour keeps running and executing. Destroy leaves no process, cgroup or jail behind.
+  Why lower the limit at run time instead of creating a small machine: the jail's limit is the guest's RAM
+  plus the VMM's own overhead, so a guest cannot pass it by filling its RAM; only a VMM that grows (or an
+  operator who shrinks the limit) can. And on an emulated-KVM host a guest dirties memory at well under
+  1 MiB/s (each page is emulated guest kernel work: docs/pvm-emulator.md), so a margin of tens of MiB is
+  what a test can afford to fill.
+- Load: 200 Exec calls across 4 VMs, 8 in flight, while 50 clients go away after their first output
+  (tests/unit/test_daemon_load.py does the same with host agents, in seconds): nothing lost, the commands
+  of the clients that left are killed in the guests, and the daemon and every VMM hold no more file
+  descriptors than before.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
+import secrets
 import shutil
 import signal
 import subprocess
@@ -22,12 +30,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 from test_daemon_fork_vm import artifacts, sh  # noqa: F401  (fixtures)
 from test_daemon_vm import vmm_processes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_daemon_load import CALLS, LEAVING, MACHINES, exec_all, exec_and_leave, fd_count  # noqa: E402
 
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
@@ -46,11 +58,25 @@ memory = "256M"
 [timeouts]
 boot = 900
 """
+# Calls in flight at once: 2 per VM. Each command start costs its 1-vCPU guest about 2 s of emulated kernel
+# work here, and a guest agent busy starting commands answers a new connection's HELLO only after them; at 10
+# per VM (the host-agent test's 40 over 4) connections waited past the daemon's --agent-connect-timeout.
+IN_FLIGHT = 2 * MACHINES
 FILL = "dd if=/dev/zero of=/dev/shm/fill bs=1M count=120 2>&1; echo filled"
 
 
+@dataclass
+class Jailed:
+    stub: pb_grpc.SmolStub
+    state: Path
+    socket: Path
+    daemon_pid: int
+    smolfile: pb.Smolfile
+
+
 @pytest.fixture(scope="module")
-def jailed_daemon(artifacts: Artifacts) -> Iterator[tuple[pb_grpc.SmolStub, Path, Path]]:  # noqa: F811
+def jailed(artifacts: Artifacts) -> Iterator[Jailed]:  # noqa: F811
+    """A daemon with --jail and a baked Smolfile (the module's one boot)."""
     d = Path(tempfile.mkdtemp(prefix="smjl-", dir="/tmp"))
     os.chmod(d, 0o755)
     sock, state, log = d / "smold.sock", d / "state", d / "smold.log"
@@ -64,8 +90,12 @@ def jailed_daemon(artifacts: Artifacts) -> Iterator[tuple[pb_grpc.SmolStub, Path
         while not sock.exists():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
+        (d / "Smolfile.toml").write_text(SMOLFILE)
+        smolfile = pb.Smolfile(toml=pb.SmolfileToml(text=SMOLFILE, base_dir=str(d)))
         with grpc.insecure_channel(f"unix:{sock}") as channel:
-            yield pb_grpc.SmolStub(channel), state, log
+            stub = pb_grpc.SmolStub(channel)
+            stub.BakeImage(pb.BakeImageRequest(smolfile=smolfile), timeout=1500)
+            yield Jailed(stub, state, sock, proc.pid, smolfile)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(300) == 0, log.read_text()[-4000:]
         assert vmm_processes(d) == []
@@ -87,12 +117,8 @@ def wait_state(stub: pb_grpc.SmolStub, mid: str, state: int, timeout: float) -> 
         time.sleep(0.5)
 
 
-def test_vm_over_its_memory_limit_is_stopped_and_reported_while_its_neighbour_runs(
-        jailed_daemon: tuple[pb_grpc.SmolStub, Path, Path], tmp_path: Path) -> None:
-    stub, state, log = jailed_daemon
-    (tmp_path / "Smolfile.toml").write_text(SMOLFILE)
-    smolfile = pb.Smolfile(toml=pb.SmolfileToml(text=SMOLFILE, base_dir=str(tmp_path)))
-    stub.BakeImage(pb.BakeImageRequest(smolfile=smolfile), timeout=1500)
+def test_vm_over_its_memory_limit_is_stopped_and_reported_while_its_neighbour_runs(jailed: Jailed) -> None:
+    stub, state, smolfile = jailed.stub, jailed.state, jailed.smolfile
     victim = stub.CreateMachine(pb.CreateMachineRequest(name="victim", smolfile=smolfile), timeout=600).machine
     neighbour = stub.CreateMachine(pb.CreateMachineRequest(name="neighbour", smolfile=smolfile),
                                    timeout=600).machine
@@ -136,3 +162,72 @@ def test_vm_over_its_memory_limit_is_stopped_and_reported_while_its_neighbour_ru
         assert not any(d.exists() for d in c.dirs.values()), mid
         assert not (Path("/run/smol-jail") / mid).exists() and not (state / "machines" / mid).exists()
     print(f"\nOOM after {t_oom:.0f}s with a {limit_mib} MiB limit: {reason}")
+
+
+def test_200_execs_across_4_vms_with_clients_leaving(jailed: Jailed) -> None:
+    asyncio.run(load(jailed))
+
+
+async def load(jailed: Jailed) -> None:
+    tag = f"smload-{secrets.token_hex(4)}"   # in every command's argv: finds leftovers in the guests
+    leftovers = f"grep -l -a '[{tag[0]}]{tag[1:]}' /proc/[0-9]*/cmdline; true"   # the pattern does not match itself
+    rng = random.Random(7)
+    leaving = set(rng.sample(range(CALLS), LEAVING))
+    t0 = time.monotonic()
+    async with grpc.aio.insecure_channel(f"unix:{jailed.socket}") as channel:
+        stub = pb_grpc.SmolStub(channel)
+        ids = []
+        for n in range(MACHINES):
+            m = (await stub.CreateMachine(pb.CreateMachineRequest(name=f"load-{n}", smolfile=jailed.smolfile),
+                                          timeout=600)).machine
+            assert m.restored_from.startswith("bake:"), m
+            ids.append(m.id)
+        for mid in ids:   # warm every path once before counting
+            assert (await exec_all(stub, mid, ["true"], timeout=600))[1:] == (0, 1)
+        vmms = {mid: Cgroup(mid, "smol").procs() for mid in ids}
+        assert all(len(p) == 1 for p in vmms.values()), vmms
+        await asyncio.sleep(1)
+        daemon_fds = fd_count(jailed.daemon_pid)
+        vmm_fds = {p[0]: fd_count(p[0]) for p in vmms.values()}
+        t_ready = time.monotonic() - t0
+
+        gate = asyncio.Semaphore(IN_FLIGHT)
+
+        async def one(i: int) -> tuple[int, object]:
+            mid = ids[i % MACHINES]
+            async with gate:
+                if i in leaving:  # a long command: it is still running when its client goes away
+                    script = f"echo start {i}; sleep 600; echo never {i}"
+                    return i, await exec_and_leave(jailed.socket, mid, ["sh", "-c", script, tag], timeout=900)
+                script = f'echo start {i}; echo "$0" done {i}; exit {i % 7}'   # shell builtins: one process
+                return i, await exec_all(stub, mid, ["sh", "-c", script, tag], timeout=900)
+
+        results = dict(await asyncio.gather(*(one(i) for i in range(CALLS))))
+        t_load = time.monotonic() - t0 - t_ready
+
+        assert len(results) == CALLS
+        for i, got in results.items():
+            if i in leaving:
+                assert got == f"start {i}\n".encode(), (i, got)
+            else:  # nothing lost: the whole output, one exit event, the right code
+                assert got == (f"start {i}\n{tag} done {i}\n".encode(), i % 7, 1), (i, got)
+
+        # The commands whose clients left were killed inside the guests, and nothing of the load is left.
+        for mid in ids:
+            deadline = time.monotonic() + 300
+            while (left := (await exec_all(stub, mid, ["sh", "-c", leftovers], timeout=600))[0]) != b"":
+                assert time.monotonic() < deadline, (mid, left)
+                await asyncio.sleep(2)
+        # Every descriptor opened for the load is closed again: in the daemon and in each VMM.
+        deadline = time.monotonic() + 60
+        while fd_count(jailed.daemon_pid) > daemon_fds or any(fd_count(p) > n for p, n in vmm_fds.items()):
+            assert time.monotonic() < deadline, (fd_count(jailed.daemon_pid), daemon_fds,
+                                                 {p: (fd_count(p), n) for p, n in vmm_fds.items()})
+            await asyncio.sleep(1)
+        for mid in ids:   # the machines still serve
+            assert (await exec_all(stub, mid, ["echo", "after"], timeout=600)) == (b"after\n", 0, 1)
+        for mid in ids:
+            await stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=mid), timeout=300)
+        assert (await stub.ListMachines(pb.ListMachinesRequest())).machines == []
+    print(f"\n{MACHINES} jailed VMs ready in {t_ready:.0f}s; {CALLS} execs ({LEAVING} clients leaving) "
+          f"in {t_load:.0f}s")
