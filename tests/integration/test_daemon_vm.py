@@ -41,8 +41,9 @@ content = "hello\\n"
 class Daemon:
     """``python -m smold.daemon`` with the real VMM launcher on a temp socket and state dir."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *extra: str, max_machines: int = 2, max_memory_mib: int = 1024) -> None:
         self.workdir = workdir
+        self.extra = [*extra, "--max-machines", str(max_machines), "--max-memory", str(max_memory_mib)]
         self.socket = workdir / "smold.sock"
         self.state = workdir / "state"
         self.log = workdir / "smold.log"
@@ -50,7 +51,7 @@ class Daemon:
 
     def start(self) -> Daemon:
         argv = [sys.executable, "-m", "smold.daemon", "--socket", str(self.socket), "--state-dir", str(self.state),
-                "--max-machines", "2", "--max-memory", "1024", "--log-level", "debug"]
+                "--log-level", "debug", *self.extra]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          start_new_session=True)

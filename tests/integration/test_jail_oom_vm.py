@@ -25,7 +25,6 @@ import random
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 import grpc
 import pytest
 from test_daemon_fork_vm import artifacts, sh  # noqa: F401  (fixtures)
-from test_daemon_vm import vmm_processes
+from test_daemon_vm import Daemon, vmm_processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_daemon_load import CALLS, LEAVING, MACHINES, exec_all, exec_and_leave, fd_count  # noqa: E402
@@ -79,29 +78,19 @@ def jailed(artifacts: Artifacts) -> Iterator[Jailed]:  # noqa: F811
     """A daemon with --jail and a baked Smolfile (the module's one boot)."""
     d = Path(tempfile.mkdtemp(prefix="smjl-", dir="/tmp"))
     os.chmod(d, 0o755)
-    sock, state, log = d / "smold.sock", d / "state", d / "smold.log"
-    with open(log, "ab") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "smold.daemon", "--socket", str(sock), "--state-dir",
-                                 str(state), "--max-machines", "4", "--max-memory", "2048", "--log-level", "debug",
-                                 "--jail", "--jail-uid", "64071", "--jail-gid", "64071"],
-                                stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)
+    daemon = Daemon(d, "--jail", "--jail-uid", "64071", "--jail-gid", "64071", max_machines=4, max_memory_mib=2048)
     try:
-        deadline = time.monotonic() + 120
-        while not sock.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        assert daemon.start().proc is not None
         (d / "Smolfile.toml").write_text(SMOLFILE)
         smolfile = pb.Smolfile(toml=pb.SmolfileToml(text=SMOLFILE, base_dir=str(d)))
-        with grpc.insecure_channel(f"unix:{sock}") as channel:
+        with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
             stub = pb_grpc.SmolStub(channel)
             stub.BakeImage(pb.BakeImageRequest(smolfile=smolfile), timeout=1500)
-            yield Jailed(stub, state, sock, proc.pid, smolfile)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(300) == 0, log.read_text()[-4000:]
+            yield Jailed(stub, daemon.state, daemon.socket, daemon.proc.pid, smolfile)
+        assert daemon.terminate() == 0, daemon.log.read_text()[-4000:]
         assert vmm_processes(d) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        daemon.kill()
         for pid in vmm_processes(d):
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(d, ignore_errors=True)
