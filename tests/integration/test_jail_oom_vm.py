@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import secrets
 import shutil
 import signal
@@ -38,7 +37,7 @@ from test_daemon_fork_vm import artifacts, sh  # noqa: F401  (fixtures)
 from test_daemon_vm import Daemon, vmm_processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_daemon_load import CALLS, LEAVING, MACHINES, exec_all, exec_and_leave, fd_count  # noqa: E402
+from test_daemon_load import CALLS, LEAVING, MACHINES, exec_all, fd_count, run_load  # noqa: E402
 
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
@@ -160,8 +159,6 @@ def test_200_execs_across_4_vms_with_clients_leaving(jailed: Jailed) -> None:
 async def load(jailed: Jailed) -> None:
     tag = f"smload-{secrets.token_hex(4)}"   # in every command's argv: finds leftovers in the guests
     leftovers = f"grep -l -a '[{tag[0]}]{tag[1:]}' /proc/[0-9]*/cmdline; true"   # the pattern does not match itself
-    rng = random.Random(7)
-    leaving = set(rng.sample(range(CALLS), LEAVING))
     t0 = time.monotonic()
     async with grpc.aio.insecure_channel(f"unix:{jailed.socket}") as channel:
         stub = pb_grpc.SmolStub(channel)
@@ -180,26 +177,9 @@ async def load(jailed: Jailed) -> None:
         vmm_fds = {p[0]: fd_count(p[0]) for p in vmms.values()}
         t_ready = time.monotonic() - t0
 
-        gate = asyncio.Semaphore(IN_FLIGHT)
-
-        async def one(i: int) -> tuple[int, object]:
-            mid = ids[i % MACHINES]
-            async with gate:
-                if i in leaving:  # a long command: it is still running when its client goes away
-                    script = f"echo start {i}; sleep 600; echo never {i}"
-                    return i, await exec_and_leave(jailed.socket, mid, ["sh", "-c", script, tag], timeout=900)
-                script = f'echo start {i}; echo "$0" done {i}; exit {i % 7}'   # shell builtins: one process
-                return i, await exec_all(stub, mid, ["sh", "-c", script, tag], timeout=900)
-
-        results = dict(await asyncio.gather(*(one(i) for i in range(CALLS))))
+        # Shell builtins only between the outputs: one process per command (each costs the guest seconds).
+        await run_load(stub, jailed.socket, ids, tag, in_flight=IN_FLIGHT, hold=600, timeout=900)
         t_load = time.monotonic() - t0 - t_ready
-
-        assert len(results) == CALLS
-        for i, got in results.items():
-            if i in leaving:
-                assert got == f"start {i}\n".encode(), (i, got)
-            else:  # nothing lost: the whole output, one exit event, the right code
-                assert got == (f"start {i}\n{tag} done {i}\n".encode(), i % 7, 1), (i, got)
 
         # The commands whose clients left were killed inside the guests, and nothing of the load is left.
         for mid in ids:

@@ -12,7 +12,7 @@ import asyncio
 import os
 import random
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -81,10 +81,36 @@ async def exec_and_leave(sock: Path, mid: str, argv: list[str], timeout: int = 1
         await channel.close(grace=None)
 
 
+async def run_load(stub: pb_grpc.SmolStub, sock: Path, ids: list[str], tag: str, *, in_flight: int,
+                   hold: int, timeout: int = 120, pause: Callable[[], str] = lambda: "") -> None:
+    """CALLS Exec calls spread over the machines ``ids``, ``in_flight`` at once; LEAVING of them (a seeded
+    choice) run ``sleep hold`` and their clients leave after the first output. Asserts that every other
+    call got its whole output, one exit event and its exit code. ``tag`` is in every command's argv;
+    ``pause()`` is shell put between a command's two lines of output."""
+    leaving = set(random.Random(7).sample(range(CALLS), LEAVING))
+    gate = asyncio.Semaphore(in_flight)
+
+    async def one(i: int) -> tuple[int, object]:
+        mid = ids[i % len(ids)]
+        async with gate:
+            if i in leaving:  # a long command: it is still running when its client goes away
+                script = f"echo start {i}; sleep {hold}; echo never {i}"
+                return i, await exec_and_leave(sock, mid, ["sh", "-c", script, tag], timeout=timeout)
+            script = f'echo start {i}; {pause()}echo "$0" done {i}; exit {i % 7}'
+            return i, await exec_all(stub, mid, ["sh", "-c", script, tag], timeout=timeout)
+
+    results = dict(await asyncio.gather(*(one(i) for i in range(CALLS))))
+    assert len(results) == CALLS
+    for i, got in results.items():
+        if i in leaving:
+            assert got == f"start {i}\n".encode(), (i, got)
+        else:  # nothing lost: the whole output, one exit event, the right code
+            assert got == (f"start {i}\n{tag} done {i}\n".encode(), i % 7, 1), (i, got)
+
+
 async def test_200_execs_across_4_machines_with_clients_leaving(daemon: DaemonProcess) -> None:
     tag = f"smload-{secrets.token_hex(4)}"   # in every command's argv: finds leftovers by command line
     rng = random.Random(7)
-    leaving = set(rng.sample(range(CALLS), LEAVING))
     async with grpc.aio.insecure_channel(f"unix:{daemon.socket}") as channel:
         stub = pb_grpc.SmolStub(channel)
         ids = []
@@ -100,25 +126,8 @@ async def test_200_execs_across_4_machines_with_clients_leaving(daemon: DaemonPr
         daemon_fds = fd_count(daemon.pid)
         agent_fds = {pid: fd_count(pid) for pid in agents}
 
-        gate = asyncio.Semaphore(CONCURRENCY)
-
-        async def one(i: int) -> tuple[int, object]:
-            mid = ids[i % MACHINES]
-            async with gate:
-                if i in leaving:  # a long command: it is still running when its client goes away
-                    script = f'echo start {i}; sleep 60; echo never {i}'
-                    return i, await exec_and_leave(daemon.socket, mid, ["sh", "-c", script, tag])
-                script = f'echo start {i}; sleep 0.0{rng.randrange(10)}; echo "$0" done {i}; exit {i % 7}'
-                return i, await exec_all(stub, mid, ["sh", "-c", script, tag])
-
-        results = dict(await asyncio.gather(*(one(i) for i in range(CALLS))))
-
-        assert len(results) == CALLS
-        for i, got in results.items():
-            if i in leaving:
-                assert got == f"start {i}\n".encode(), (i, got)
-            else:  # nothing lost: the whole output, one exit event, the right code
-                assert got == (f"start {i}\n{tag} done {i}\n".encode(), i % 7, 1), (i, got)
+        await run_load(stub, daemon.socket, ids, tag, in_flight=CONCURRENCY, hold=60,
+                       pause=lambda: f"sleep 0.0{rng.randrange(10)}; ")
 
         # The commands whose clients left were killed (their whole process group), and nothing else is left.
         assert wait_until(lambda: not processes_mentioning(tag), timeout=30), processes_mentioning(tag)
