@@ -222,9 +222,10 @@ class Controller:
                     d.unlink()
         await asyncio.to_thread(self._clean_checkpoint_dirs)
 
-    async def _clean_network(self, machine_dir: Path) -> None:
-        """Remove the namespace and uplink (and jail remains) of a machine that is not re-adopted (only this
-        daemon's own: another daemon on the host may run machines of its own)."""
+    async def _clean_host_side(self, machine_dir: Path) -> None:
+        """Remove what a machine that is not re-adopted has outside its state directory: what its jail left,
+        its namespace and uplink (only this daemon's own: another daemon on the host may run machines of its
+        own)."""
         if not ID_RE.fullmatch(machine_dir.name):
             return
         await asyncio.to_thread(self.launcher.cleanup, machine_dir.name)
@@ -252,7 +253,7 @@ class Controller:
             rec = MachineRecord.load(d)
         except RecordError as e:
             log.warning("removing %s: %s", d, e)
-            await self._clean_network(d)
+            await self._clean_host_side(d)
             await asyncio.to_thread(shutil.rmtree, d, True)
             return
         why = ""
@@ -291,7 +292,7 @@ class Controller:
             log.info("cleaning up machine %s: %s", d.name, why)
             if rec.pid and is_same_process(rec.pid, rec.argv, rec.started):
                 await self._kill_stray(rec.pid)
-            await self._clean_network(d)
+            await self._clean_host_side(d)
             await asyncio.to_thread(shutil.rmtree, d, True)
             return
         net: VmNetwork | None = None

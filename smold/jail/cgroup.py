@@ -123,13 +123,14 @@ class Cgroup:
             _write(self.dirs[""] / "memory.max", str(memory_bytes))
             return
         mem = self.dirs["memory"]
+        files = [mem / "memory.limit_in_bytes"]
         memsw = mem / "memory.memsw.limit_in_bytes"
-        order = ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]
-        if memsw.exists() and memory_bytes > int(memsw.read_text()):
-            order.reverse()
-        for name in order:
-            if name == "memory.limit_in_bytes" or memsw.exists():
-                _write(mem / name, str(memory_bytes))
+        if memsw.exists():   # the kernel has swap accounting
+            files.append(memsw)
+            if memory_bytes > int(memsw.read_text()):
+                files.reverse()
+        for f in files:
+            _write(f, str(memory_bytes))
 
     def oom_kills(self) -> int:
         """How many processes the kernel's OOM killer took from this cgroup."""
