@@ -36,7 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from smold.agent import AgentClient, AgentError, ExecEvent
+from smold.agent import AgentClient, AgentConnectError, AgentError, ExecEvent
 from smold.api.machine import (
     BakeInfo,
     CheckpointInfo,
@@ -669,14 +669,31 @@ class Controller:
         if m.ready is None:
             raise GuestUnavailableError(f"machine {m.id}: the guest agent is not ready")
         try:
-            timeout = self.config.agent_connect_timeout_s
-            client = await asyncio.wait_for(self.launcher.connect(m.state_dir, m.ready, timeout), timeout + 1)
+            client = await self._connect_agent(m)
         except (AgentError, OSError, TimeoutError) as e:
             raise await self._unavailable(m, f"cannot reach the guest agent: {e}") from None
         try:
             yield client
         finally:
             await client.close()
+
+    async def _connect_agent(self, m: Machine) -> AgentClient:
+        """Connect within --agent-connect-timeout. A refused connect is retried: a busy guest kernel answers a
+        vsock REQUEST late or resets it while its agent's accept queue is full; an agent that is gone fails
+        at the deadline, or at once if the VM process exited."""
+        assert m.ready is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.agent_connect_timeout_s
+        delay = 0.05
+        while True:
+            left = deadline - loop.time()
+            try:
+                return await asyncio.wait_for(self.launcher.connect(m.state_dir, m.ready, left), left + 1)
+            except AgentConnectError:
+                if m.exited.is_set() or loop.time() + delay >= deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     async def _unavailable(self, m: Machine, what: str) -> DaemonError:
         """The error for a guest that stopped answering; names the failure if the VM process just died."""

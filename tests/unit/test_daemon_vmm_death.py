@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -28,6 +29,7 @@ from daemon_support import (
     unix_sockets_under,
 )
 
+from smold.agent import AgentClient, AgentConnectError
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 from smold.daemon import DaemonConfig
@@ -226,6 +228,50 @@ async def test_a_busy_agent_is_waited_for_up_to_the_connect_timeout(workdir: Pat
                     assert time.monotonic() - t0 >= resume_after
             finally:
                 os.kill(pid, signal.SIGCONT)
+            await stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))
+        finally:
+            await stop()
+
+
+class RefusingLauncher(HostAgentLauncher):
+    """Connects are refused like the VMM's vsock socket refuses them when the guest kernel answered a
+    REQUEST too late or reset it (its agent's accept queue full): ``refusals`` times, once armed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refusals = 0
+        self.attempts = 0
+
+    async def connect(self, state_dir: Path, ready: dict[str, Any], timeout: float = 10.0) -> AgentClient:
+        self.attempts += 1
+        if self.attempts <= self.refusals:
+            raise AgentConnectError(f"vsock handshake with {state_dir}/vsock.sock port 1024 refused: b''")
+        return await super().connect(state_dir, ready, timeout)
+
+
+async def test_a_refused_agent_connect_is_retried_up_to_the_connect_timeout(workdir: Path) -> None:
+    """Refusals are transient on a busy guest: the request connects once the guest answers, within
+    --agent-connect-timeout; a guest that keeps refusing fails UNAVAILABLE at that deadline, with the refusal."""
+    for timeout, refusals in ((30.0, 6), (1.5, 10**9)):
+        launcher = RefusingLauncher()
+        stub, stop, _machines = await start(workdir, launcher, agent_connect_timeout_s=timeout)
+        try:
+            m = (await stub.CreateMachine(pb.CreateMachineRequest(name="refusing", smolfile=spec()))).machine
+            launcher.refusals, launcher.attempts = refusals, 0
+            t0 = time.monotonic()
+            if refusals < 100:
+                out = b""
+                async for msg in stub.Exec(pb.ExecRequest(machine_id=m.id, argv=["echo", "through"])):
+                    out += msg.stdout
+                assert out == b"through\n" and launcher.attempts == refusals + 1
+            else:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in stub.Exec(pb.ExecRequest(machine_id=m.id, argv=["true"])):
+                        pass
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "cannot reach the guest agent: vsock handshake" in (e.value.details() or "")
+                assert "refused" in (e.value.details() or "")
+                assert timeout - 1.1 <= time.monotonic() - t0 < timeout + 5 and launcher.attempts > 3
             await stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))
         finally:
             await stop()

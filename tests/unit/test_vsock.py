@@ -866,14 +866,15 @@ class Rig:
     with the bus lock held, like the VMM's notification handlers do."""
 
     def __init__(self, sockdir: Path, mem: GuestMemory, *, connect_timeout: float = 5.0,
-                 close_timeout: float = 5.0, app: Callable[[Guest], None] | None = None,
+                 accept_timeout: float = 5.0, close_timeout: float = 5.0, app: Callable[[Guest], None] | None = None,
                  threaded: bool = False, **guest_kw: Any) -> None:
         self.lock = threading.RLock()
         self.dev = Vsock(guest_cid=CID)
         self.guest = Guest(self.dev, mem, **guest_kw)
         self.path = str(sockdir / "v.sock")
         self.backend = VsockBackend(self.dev, self.path, loop=asyncio.get_running_loop(), lock=self.lock,
-                                    connect_timeout=connect_timeout, close_timeout=close_timeout)
+                                    connect_timeout=connect_timeout, accept_timeout=accept_timeout,
+                                    close_timeout=close_timeout)
         self.app = app
         self.paused = False
         self.threaded = threaded  # the guest runs on its own thread, like a vCPU
@@ -1011,7 +1012,7 @@ async def test_backend_guest_refuses(sockdir: Path, mem: GuestMemory) -> None:
 
 
 async def test_backend_guest_does_not_answer(sockdir: Path, mem: GuestMemory) -> None:
-    async with Rig(sockdir, mem, connect_timeout=0.2, answer_requests=False) as rig:
+    async with Rig(sockdir, mem, accept_timeout=0.2, answer_requests=False) as rig:
         reader, writer = await asyncio.open_unix_connection(rig.path)
         t0 = time.monotonic()
         writer.write(b"CONNECT 1024\n")
@@ -1019,6 +1020,20 @@ async def test_backend_guest_does_not_answer(sockdir: Path, mem: GuestMemory) ->
         assert 0.15 < time.monotonic() - t0 < 3
         await rig.until(lambda: rig.dev.connections == ())
         await rig.until(lambda: [h.op for h, _ in rig.guest.packets] == [Op.REQUEST, Op.RST])
+        writer.close()
+
+
+async def test_backend_waits_for_a_slow_guest_past_the_handshake_timeout(sockdir: Path, mem: GuestMemory) -> None:
+    """A busy (emulated) guest kernel answers a REQUEST late: the short handshake-line timeout does not cut
+    it off; only accept_timeout does."""
+    async with Rig(sockdir, mem, connect_timeout=0.2, accept_timeout=30) as rig:
+        rig.guest.listening.add(1024)
+        rig.paused = True
+        reader, writer = await asyncio.open_unix_connection(rig.path)
+        writer.write(b"CONNECT 1024\n")
+        await asyncio.sleep(1.0)  # five handshake timeouts
+        rig.paused = False
+        assert await asyncio.wait_for(reader.readline(), 5) == f"OK {EPHEMERAL_PORT_BASE}\n".encode()
         writer.close()
 
 

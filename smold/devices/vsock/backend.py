@@ -18,7 +18,10 @@ log = logging.getLogger(__name__)
 
 CONNECT_LINE_MAX = 64  # "CONNECT 4294967295\n" is 19 bytes
 CHUNK = 64 * 1024  # guest->host bytes handed to a host socket per write
-DEFAULT_CONNECT_TIMEOUT = 5.0  # handshake line, guest RESPONSE, or connecting to <path>_<port>
+DEFAULT_CONNECT_TIMEOUT = 5.0  # the client's handshake line, or connecting to <path>_<port>
+# The guest's RESPONSE to a host connect. Only a backstop: the client sets its own deadline and closes its
+# socket when it gives up. An emulated guest kernel busy forking can take well over 5 s to answer.
+DEFAULT_ACCEPT_TIMEOUT = 300.0
 DEFAULT_CLOSE_TIMEOUT = 5.0  # §5.10.6.5: wait this long for the guest's RST after our SHUTDOWN
 MAX_HANDSHAKES = 64  # host clients that connected but have no vsock connection yet
 
@@ -113,7 +116,7 @@ class VsockBackend(VsockHost):
 
     Host -> guest: a client connects to ``path`` and writes ``CONNECT <port>\\n``; once the guest
     accepts (OP_RESPONSE) it reads ``OK <host port>\\n`` and the socket carries the stream. A refusal
-    (OP_RST) or no answer in ``connect_timeout`` closes it without a reply.
+    (OP_RST) or no answer in ``accept_timeout`` closes it without a reply.
     Guest -> host: a guest connection to host port P is connected to the Unix socket ``<path>_P``.
 
     Device and queue state are touched only with ``lock`` (the bus lock) held; the device's callbacks
@@ -123,14 +126,16 @@ class VsockBackend(VsockHost):
 
     def __init__(self, device: Vsock, path: str, *, loop: asyncio.AbstractEventLoop,
                  lock: AbstractContextManager[Any], connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 accept_timeout: float = DEFAULT_ACCEPT_TIMEOUT,
                  close_timeout: float = DEFAULT_CLOSE_TIMEOUT) -> None:
-        if connect_timeout <= 0 or close_timeout <= 0:
+        if connect_timeout <= 0 or accept_timeout <= 0 or close_timeout <= 0:
             raise VsockBackendError("timeouts must be positive")
         self.device = device
         self.path = path
         self.loop = loop
         self.lock = lock
         self.connect_timeout = connect_timeout
+        self.accept_timeout = accept_timeout
         self.close_timeout = close_timeout
         self._server: asyncio.AbstractServer | None = None
         self._inode: tuple[int, int] | None = None
@@ -420,7 +425,7 @@ class VsockBackend(VsockHost):
             stream.stash = rest
             stream.pause()  # nothing goes to the guest before it accepts
             self._streams[conn] = stream
-            self._arm(stream, conn, self.connect_timeout)
+            self._arm(stream, conn, self.accept_timeout)
 
     def _stream_eof(self, stream: _Stream) -> None:
         stream.host_eof = True
