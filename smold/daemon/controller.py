@@ -281,7 +281,7 @@ class Controller:
         if proc is not None and not why:
             assert ready is not None
             try:
-                client = await asyncio.wait_for(self.launcher.connect(d, ready), ADOPT_HEALTH_TIMEOUT_S)
+                client = await self._connect_agent(d, ready, ADOPT_HEALTH_TIMEOUT_S)
                 try:
                     await asyncio.wait_for(client.health(), ADOPT_HEALTH_TIMEOUT_S)
                 finally:
@@ -669,7 +669,7 @@ class Controller:
         if m.ready is None:
             raise GuestUnavailableError(f"machine {m.id}: the guest agent is not ready")
         try:
-            client = await self._connect_agent(m)
+            client = await self._connect_agent(m.state_dir, m.ready, self.config.agent_connect_timeout_s, m.exited)
         except (AgentError, OSError, TimeoutError) as e:
             raise await self._unavailable(m, f"cannot reach the guest agent: {e}") from None
         try:
@@ -677,20 +677,20 @@ class Controller:
         finally:
             await client.close()
 
-    async def _connect_agent(self, m: Machine) -> AgentClient:
-        """Connect within --agent-connect-timeout. A refused connect is retried: a busy guest kernel answers a
-        vsock REQUEST late or resets it while its agent's accept queue is full; an agent that is gone fails
-        at the deadline, or at once if the VM process exited."""
-        assert m.ready is not None
+    async def _connect_agent(self, state_dir: Path, ready: dict[str, Any], timeout: float,
+                             exited: asyncio.Event | None = None) -> AgentClient:
+        """Connect within ``timeout``. A refused connect is retried: a busy guest kernel answers a vsock
+        REQUEST late or resets it while its agent's accept queue is full; an agent that is gone fails at the
+        deadline, or at once if the VM process exited."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.agent_connect_timeout_s
+        deadline = loop.time() + timeout
         delay = 0.05
         while True:
             left = deadline - loop.time()
             try:
-                return await asyncio.wait_for(self.launcher.connect(m.state_dir, m.ready, left), left + 1)
+                return await asyncio.wait_for(self.launcher.connect(state_dir, ready, left), left + 1)
             except AgentConnectError:
-                if m.exited.is_set() or loop.time() + delay >= deadline:
+                if (exited is not None and exited.is_set()) or loop.time() + delay >= deadline:
                     raise
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
