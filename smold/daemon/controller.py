@@ -108,6 +108,7 @@ ID_RE = re.compile(r"m-[0-9a-f]{12}")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 TOMBSTONES = 1024          # destroyed ids remembered, to answer "was destroyed" rather than "no such machine"
 ADOPT_HEALTH_TIMEOUT_S = 10.0
+SLOW_AGENT_CONNECT_S = 5.0  # a connect + HELLO slower than this is logged (a busy or emulated guest)
 LIVE = (MachineState.CREATING, MachineState.RUNNING)
 CHECKPOINT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 CHECKPOINT_META = "checkpoint.json"   # beside the VMM's snapshot.state and memory.raw
@@ -683,15 +684,24 @@ class Controller:
         REQUEST late or resets it while its agent's accept queue is full; an agent that is gone fails at the
         deadline, or at once if the VM process exited."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        start = loop.time()
+        deadline = start + timeout
         delay = 0.05
+        refusals = 0
         while True:
             left = deadline - loop.time()
             try:
-                return await asyncio.wait_for(self.launcher.connect(state_dir, ready, left), left + 1)
-            except AgentConnectError:
+                client = await asyncio.wait_for(self.launcher.connect(state_dir, ready, left), left + 1)
+            except AgentConnectError as e:
                 if (exited is not None and exited.is_set()) or loop.time() + delay >= deadline:
                     raise
+                refusals += 1
+                log.debug("machine %s: agent connect refused (%s), retrying", state_dir.name, e)
+            else:
+                if refusals or loop.time() - start > SLOW_AGENT_CONNECT_S:
+                    log.info("machine %s: guest agent answered after %.1f s (%d refused connects)",
+                             state_dir.name, loop.time() - start, refusals)
+                return client
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
