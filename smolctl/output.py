@@ -48,7 +48,13 @@ def machines_table(machines: list[pb.Machine]) -> str:
     for m in machines:
         if m.failure_reason:
             lines.append(f"{m.id}: failed: {m.failure_reason}")
+        lines += [f"{m.id}: {line}" for line in forwarded_ports(m)]
     return "\n".join(lines)
+
+
+def forwarded_ports(m: pb.Machine) -> list[str]:
+    """One line per port forward: where on the host to connect to reach the guest's port."""
+    return [f"forward {f.host_address}:{f.host_port} -> guest port {f.guest_port}" for f in m.forwarded_ports]
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:

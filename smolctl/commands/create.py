@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
 from ..client import fail, smolfile_message
-from ..output import Progress, to_json
+from ..output import Progress, forwarded_ports, to_json
 
 NAME = "create"
 HELP = "create a machine from a Smolfile (or restore a checkpoint) and print its id"
@@ -34,4 +35,7 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
     with Progress("creating"):
         resp = stub.CreateMachine(req)
     print(to_json(resp.machine) if args.json else resp.machine.id)
+    if not args.json:
+        for line in forwarded_ports(resp.machine):  # stdout stays the id alone, for scripts
+            print(line, file=sys.stderr)
     return 0

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
 from ..client import fail
-from ..output import to_json
+from ..output import forwarded_ports, to_json
 
 NAME = "fork"
 HELP = "fork a running machine into N copy-on-write children and print their ids"
@@ -27,4 +28,7 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
     resp = stub.Fork(pb.ForkRequest(machine_id=args.machine, count=args.count))
     for m in resp.machines:
         print(to_json(m) if args.json else m.id)
+        if not args.json:
+            for line in forwarded_ports(m):  # a child listens on ports of its own
+                print(f"{m.id}: {line}", file=sys.stderr)
     return 0

@@ -21,6 +21,7 @@ from smold.smolfile import (
     FileMatchesCheck,
     HttpCheck,
     Limits,
+    PortForward,
     Smolfile,
     SmolfileError,
     parse_mapping,
@@ -88,6 +89,8 @@ def machine_to_proto(m: MachineInfo) -> pb.Machine:
         console_tail=m.console_tail,
         vmm_pid=m.vmm_pid,
         restored_from=m.restored_from,
+        forwarded_ports=[pb.ForwardedPort(guest_port=f.guest_port, host_address=f.host_address,
+                                          host_port=f.host_port) for f in m.forwarded_ports],
     )
     msg.created_at.FromDatetime(m.created_at)
     if m.network is not None:
@@ -173,6 +176,7 @@ def machine_from_proto(msg: pb.Machine) -> MachineInfo:
         vmm_pid=msg.vmm_pid,
         restored_from=msg.restored_from,
         network=network_report_from_proto(msg.network) if msg.HasField("network") else None,
+        forwarded_ports=tuple(PortForward(f.guest_port, f.host_port, f.host_address) for f in msg.forwarded_ports),
     )
 
 
@@ -337,7 +341,8 @@ def smolfile_to_spec_proto(s: Smolfile) -> pb.SmolfileSpec:
         image=s.image,
         cpus=s.cpus,
         memory_mib=s.memory_mib,
-        network=pb.NetworkPolicy(allow=[str(r) for r in s.network.allow]),
+        network=pb.NetworkPolicy(allow=[str(r) for r in s.network.allow],
+                                 forward=[str(f) for f in s.network.forward]),
         mounts=[pb.Mount(host_path=m.host, guest_path=m.guest) for m in s.mounts],
         env=dict(s.env),
         setup=[command_to_proto(c) for c in s.setup],
@@ -423,8 +428,10 @@ def spec_mapping(msg: pb.SmolfileSpec, file: str = INLINE_SPEC) -> dict[str, Any
         out["cpus"] = msg.cpus
     if msg.HasField("memory_mib"):
         out["memory"] = msg.memory_mib
-    if len(msg.network.allow):
+    if len(msg.network.allow) or len(msg.network.forward):
         out["network"] = {"allow": list(msg.network.allow)}
+        if len(msg.network.forward):
+            out["network"]["forward"] = list(msg.network.forward)
     if len(msg.mounts):
         mounts: dict[str, str] = {}
         for m in msg.mounts:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 from datetime import datetime
 
+from smold.smolfile import PortForward
 from smold.verifier import Evidence, VerifyResult
 
 
@@ -62,6 +63,7 @@ class MachineInfo:
     vmm_pid: int = 0  # the VMM process on the host; 0 when it is gone
     restored_from: str = ""  # "" (booted), "bake:sha256:<hex>", "checkpoint:<name>" or "fork:<parent id>"
     network: NetworkReport | None = None  # None: networking off (no NIC)
+    forwarded_ports: tuple[PortForward, ...] = ()  # network.forward as listening now (host ports bound)
 
 
 @dataclass(frozen=True)

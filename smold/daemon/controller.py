@@ -46,7 +46,7 @@ from smold.api.machine import (
     RunResult,
     StepResult,
 )
-from smold.net import AddressPool, NetError, NetworkManager, VmNetwork
+from smold.net import AddressPool, ForwardError, NetError, NetworkManager, VmNetwork
 from smold.smolfile import (
     Check,
     Smolfile,
@@ -360,7 +360,8 @@ class Controller:
             console_tail=self.console_tail(m, console_bytes) if console_bytes else "",
             vmm_pid=proc.pid if proc is not None and m.exit_status is None else 0,
             restored_from=self._restored_from(m.checkpoint),
-            network=m.net_report or (NetworkReport() if m.smolfile.network.enabled else None))
+            network=m.net_report or (NetworkReport() if m.smolfile.network.enabled else None),
+            forwarded_ports=m.net.forwarded_ports if m.net is not None else ())
 
     def _restored_from(self, directory: Path | None) -> str:
         if directory is None:
@@ -508,7 +509,12 @@ class Controller:
         boot_timeout = m.smolfile.timeouts.boot
         if m.smolfile.network.enabled:  # its own namespace, uplink, tap, rules and resolver, before the VMM
             try:
-                m.net = await self.network.setup(m.id, m.smolfile.network, state_dir=m.state_dir)
+                fork_child = m.checkpoint is not None and m.checkpoint.parent == self.config.forks_dir
+                m.net = await self.network.setup(m.id, m.smolfile.network, state_dir=m.state_dir,
+                                                 auto_ports=fork_child)
+            except ForwardError as e:
+                raise CreateFailedError(f"{e} (choose another host port in network.forward, or none for a free "
+                                        "one)", Status.FAILED_PRECONDITION) from None
             except NetError as e:
                 raise CreateFailedError(f"machine {m.id}: cannot set up its network: {e}", Status.INTERNAL) from None
         spec = LaunchSpec(machine_id=m.id, state_dir=m.state_dir, image=image, cpus=m.cpus,

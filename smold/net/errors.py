@@ -11,6 +11,10 @@ class PoolExhaustedError(NetError):
     """Every /30 of the uplink address pool is in use."""
 
 
+class ForwardError(NetError):
+    """A port forward's host address and port cannot be listened on (in use, not an address of this host)."""
+
+
 class NftError(NetError):
     """The ``nft`` command failed (its stderr is in the message)."""
 

@@ -26,10 +26,11 @@ from pathlib import Path
 from pyroute2 import IPRoute
 
 from smold.api.machine import DeniedDestination, NetworkReport
-from smold.smolfile.model import NetworkPolicy
+from smold.smolfile.model import NetworkPolicy, PortForward
 
 from . import netns, nft
 from .errors import NetError
+from .forward import PortForwarder
 from .pool import DEFAULT_POOL, AddressPool, Uplink
 from .resolver import DnsPolicy, DnsServer, Resolve, normalize_name, resolve_on_host
 from .rules import (
@@ -131,7 +132,12 @@ class VmNetwork:
     resolved: ResolvedPolicy
     guest_link: str = "tap"    # "tap" for a VMM; "veth" when a test's fake guest stands in for it
     dns: DnsServer | None = None
+    forwarder: PortForwarder | None = None  # the Smolfile's network.forward (None: no forwards)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def forwarded_ports(self) -> tuple[PortForward, ...]:
+        return self.forwarder.bound if self.forwarder is not None else ()
 
     @property
     def allowed(self) -> AllowedDestinations:
@@ -148,7 +154,8 @@ class VmNetwork:
 
     def record(self) -> dict[str, object]:
         return {"namespace": self.namespace, "host_if": self.host_if, "uplink_index": self.uplink.index,
-                "guest_link": self.guest_link}
+                "guest_link": self.guest_link,
+                "forwards": self.forwarder.record() if self.forwarder is not None else {}}
 
 
 class NetworkManager:
@@ -163,9 +170,10 @@ class NetworkManager:
 
     # --- set up -------------------------------------------------------------------------------------------
     async def setup(self, machine_id: str, policy: NetworkPolicy, *, guest_link: str = "tap",
-                    state_dir: Path | None = None) -> VmNetwork:
-        """Namespace, uplink, guest link, nftables policy and DNS resolver for one machine; on any failure
-        everything created so far is removed again."""
+                    state_dir: Path | None = None, auto_ports: bool = False) -> VmNetwork:
+        """Namespace, uplink, guest link, nftables policy, DNS resolver and port forwards for one machine; on
+        any failure everything created so far is removed again. ``auto_ports``: forwards listen on free
+        ports whatever the Smolfile fixes (a fork child, whose parent holds those)."""
         if not policy.enabled:
             raise NetError("networking is off for this machine")
         if guest_link not in ("tap", "veth"):
@@ -181,6 +189,9 @@ class NetworkManager:
             await asyncio.to_thread(self._create_links, net)
             await asyncio.to_thread(nft.apply, net.namespace, render(self.ruleset(net)))
             await self._start_dns(net)
+            if policy.forward:
+                net.forwarder = PortForwarder(machine_id, net.namespace, GUEST, policy.forward, auto_ports=auto_ports)
+                await net.forwarder.start()
             if state_dir is not None:
                 await asyncio.to_thread(_write_record, state_dir, net)
         except BaseException:
@@ -212,6 +223,15 @@ class NetworkManager:
             self.networks.pop(machine_id, None)
             self.pool.release(index)
             raise
+        if policy.forward:  # on the ports it had; a port taken meanwhile costs the forwards, not the machine
+            forwarder = PortForwarder(machine_id, net.namespace, GUEST, policy.forward)
+            ports = rec.get("forwards")
+            try:
+                await forwarder.start({str(k): int(v) for k, v in ports.items()} if isinstance(ports, dict) else None)
+            except (NetError, ValueError, TypeError) as e:
+                log.warning("machine %s: its port forwards cannot be restored: %s", machine_id, e)
+            else:
+                net.forwarder = forwarder
         return net
 
     def ruleset(self, net: VmNetwork):  # type: ignore[no-untyped-def]
@@ -295,7 +315,11 @@ class NetworkManager:
 
     # --- tear down ----------------------------------------------------------------------------------------
     async def teardown(self, net: VmNetwork) -> None:
-        """Stop the resolver, delete the uplink and the namespace (with its tap and nft table)."""
+        """Stop the port forwards and the resolver, delete the uplink and the namespace (with its tap and nft
+        table)."""
+        if net.forwarder is not None:
+            await net.forwarder.close()
+            net.forwarder = None
         if net.dns is not None:
             await net.dns.close()
             net.dns = None

@@ -57,6 +57,13 @@ def _check(check: Check) -> dict[str, Any]:
     return out
 
 
+def _network(smolfile: Smolfile) -> dict[str, Any]:
+    out: dict[str, Any] = {"allow": [str(r) for r in smolfile.network.allow]}
+    if smolfile.network.forward:  # absent when empty: digests of Smolfiles without forwards are unchanged
+        out["forward"] = [str(f) for f in smolfile.network.forward]
+    return out
+
+
 def to_mapping(smolfile: Smolfile) -> dict[str, Any]:
     """The Smolfile as a TOML-shaped mapping with every default explicit.
 
@@ -66,7 +73,7 @@ def to_mapping(smolfile: Smolfile) -> dict[str, Any]:
         "image": smolfile.image,
         "cpus": smolfile.cpus,
         "memory": smolfile.memory_mib,
-        "network": {"allow": [str(r) for r in smolfile.network.allow]} if smolfile.network.enabled else "off",
+        "network": _network(smolfile) if smolfile.network.enabled else "off",
         "mounts": {m.host: m.guest for m in smolfile.mounts},
         "env": dict(smolfile.env),
         "setup": [_command(c) for c in smolfile.setup],

@@ -62,14 +62,30 @@ class AllowRule:
 
 
 @dataclass(frozen=True)
+class PortForward:
+    """An inbound forward: host_address:host_port on the host relays TCP to guest_port in the guest.
+    host_port 0: the daemon picks a free port (reported in the machine's network report)."""
+
+    guest_port: int
+    host_port: int = 0
+    host_address: str = "127.0.0.1"  # an IPv4 address of the host to listen on
+
+    def __str__(self) -> str:
+        """The canonical text form, "HOST_ADDRESS:HOST_PORT:GUEST_PORT", which parses back to an equal forward."""
+        return f"{self.host_address}:{self.host_port}:{self.guest_port}"
+
+
+@dataclass(frozen=True)
 class NetworkPolicy:
-    """Guest networking: off when allow is empty, else only traffic to the listed destinations."""
+    """Guest networking: off when allow and forward are empty, else a NIC that reaches only the listed
+    destinations, and that the listed host ports forward into."""
 
     allow: tuple[AllowRule, ...] = ()
+    forward: tuple[PortForward, ...] = ()
 
     @property
     def enabled(self) -> bool:
-        return bool(self.allow)
+        return bool(self.allow or self.forward)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from .model import (
     Limits,
     Mount,
     NetworkPolicy,
+    PortForward,
     RewardCheck,
     Smolfile,
     Timeouts,
@@ -214,27 +215,59 @@ class _Parser:
         return mib
 
     def network(self, value: object, path: KeyPath) -> NetworkPolicy:
-        """"off", or {allow = [entries]} with at least one entry."""
+        """"off", or {allow = [entries], forward = [entries]} with at least one entry in one of them."""
         if isinstance(value, str):
             if value != "off":
                 self.fail(path, f"must be \"off\" or a table {{allow = [...]}} (got '{value}')")
             return NetworkPolicy()
-        t = self.table(value, path, ("allow",))
-        if "allow" not in t:
+        t = self.table(value, path, ("allow", "forward"))
+        if "allow" not in t and "forward" not in t:
             self.fail(path, "missing key 'allow'")
-        entries = t["allow"]
-        apath = [*path, "allow"]
-        if not isinstance(entries, list | tuple):
-            self.fail(apath, f"must be an array of strings, not {_type_name(entries)}")
-        if not entries:
-            self.fail(apath, "must not be empty (write network = \"off\" to disable networking)")
         rules: list[AllowRule] = []
-        for i, entry in enumerate(entries):
-            rule = self.allow_rule(entry, [*apath, i])
+        for i, entry in enumerate(self._entries(t, "allow", path)):
+            rule = self.allow_rule(entry, [*path, "allow", i])
             if rule in rules:
-                self.fail([*apath, i], f"duplicate entry '{rule}'")
+                self.fail([*path, "allow", i], f"duplicate entry '{rule}'")
             rules.append(rule)
-        return NetworkPolicy(tuple(rules))
+        forwards: list[PortForward] = []
+        for i, entry in enumerate(self._entries(t, "forward", path)):
+            fwd = self.port_forward(entry, [*path, "forward", i])
+            if fwd in forwards:
+                self.fail([*path, "forward", i], f"duplicate entry '{fwd}'")
+            for other in forwards:
+                if fwd.host_port and (other.host_address, other.host_port) == (fwd.host_address, fwd.host_port):
+                    self.fail([*path, "forward", i], f"host {fwd.host_address}:{fwd.host_port} is already forwarded")
+            forwards.append(fwd)
+        if not rules and not forwards:
+            self.fail([*path, "allow"], "must not be empty (write network = \"off\" to disable networking)")
+        return NetworkPolicy(tuple(rules), tuple(forwards))
+
+    def _entries(self, t: Mapping[str, Any], key: str, path: KeyPath) -> list[Any]:
+        entries = t.get(key, [])
+        if not isinstance(entries, list | tuple):
+            self.fail([*path, key], f"must be an array of strings, not {_type_name(entries)}")
+        return list(entries)
+
+    def port_forward(self, value: object, path: KeyPath) -> PortForward:
+        """"GUEST_PORT", "HOST_PORT:GUEST_PORT" or "HOST_ADDRESS:HOST_PORT:GUEST_PORT" (IPv4; host port 0 or
+        none: any free port, on 127.0.0.1 unless an address is given)."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        text = self.string(value, path).strip()
+        parts = text.split(":")
+        if len(parts) > 3:
+            self.fail(path, f"invalid forward '{text}': expected GUEST_PORT, HOST_PORT:GUEST_PORT or "
+                            "HOST_ADDRESS:HOST_PORT:GUEST_PORT")
+        address = parts[0] if len(parts) == 3 else "127.0.0.1"
+        try:
+            ipaddress.IPv4Address(address)
+        except ValueError:
+            self.fail(path, f"invalid forward '{text}': the host address must be an IPv4 address (got '{address}')")
+        guest = self._port(parts[-1], path, text)
+        host = 0
+        if len(parts) >= 2 and parts[-2] != "0":
+            host = self._port(parts[-2], path, text)
+        return PortForward(guest, host, address)
 
     def allow_rule(self, value: object, path: KeyPath) -> AllowRule:
         """A CIDR, an IP address, or a DNS name; the last two optionally with ":port" ([v6]:port)."""

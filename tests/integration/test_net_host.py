@@ -13,14 +13,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from pyroute2 import IPRoute
 
-from smold.net import AddressPool, NetworkManager, netns
+from smold.net import AddressPool, ForwardError, NetworkManager, netns
 from smold.net import dns as dnsmsg
-from smold.net.manager import GATEWAY, GUEST, network_leftovers
-from smold.smolfile.model import AllowRule, NetworkPolicy
+from smold.net.manager import GATEWAY, GUEST, host_if_name, namespace_name, network_leftovers
+from smold.smolfile.model import AllowRule, NetworkPolicy, PortForward
 
 pytestmark = [
     pytest.mark.netns,
@@ -204,4 +205,68 @@ async def test_orphans_are_removed() -> None:
     others = [f"m-{ns[5:]}" for ns in netns.list_namespaces() if ns.startswith("smol-") and ns != net.namespace]
     removed = await fresh.clean_orphans(keep=others)  # never another test's or daemon's namespace
     assert net.namespace in removed
+    assert network_leftovers(net.namespace, net.host_if) == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_port_forwards_reach_the_guest_survive_a_restart_and_go_with_the_network(
+        world: dict[str, str], tmp_path: Path) -> None:
+    """network.forward: a host port relays to the guest's port through the namespace; a port in use fails
+    the setup and leaves nothing; a fork child (auto_ports) listens elsewhere; a restarted daemon listens on
+    the same ports again; teardown closes them."""
+    fixed = _free_port()
+    policy = NetworkPolicy(forward=(PortForward(HTTP_PORT), PortForward(OTHER_PORT, fixed)))
+    mgr = NetworkManager(AddressPool("10.214.5.0/24"), resolve=lambda n: [])
+    mid = f"m-{secrets.token_hex(6)}"
+    net = await mgr.setup(mid, policy, guest_link="veth", state_dir=tmp_path)
+    procs: list[subprocess.Popen[bytes]] = []
+    others: list[NetworkManager] = []
+    try:
+        auto, fixed_fwd = net.forwarded_ports
+        assert (auto.guest_port, auto.host_address) == (HTTP_PORT, "127.0.0.1") and auto.host_port > 0
+        assert fixed_fwd == PortForward(OTHER_PORT, fixed)
+        _attach_fake_guest(net.namespace, world["g"])
+        procs.append(_http_server(world["g"], str(GUEST), HTTP_PORT))
+        assert await asyncio.to_thread(_http_get, "127.0.0.1", auto.host_port) == "ok"
+        # nothing listens on the guest's OTHER_PORT: the host side is closed without a reply
+        assert await asyncio.to_thread(_http_get, "127.0.0.1", fixed) != "ok"
+        # forwards let nothing new out of the guest
+        counters = dict((await mgr.report(net)).counters)
+        assert counters["allowed_forward"] == 0
+
+        # another machine wanting the same fixed port: refused, and nothing of it is left
+        other = NetworkManager(AddressPool("10.214.6.0/24"), resolve=lambda n: [])
+        others.append(other)
+        mid2 = f"m-{secrets.token_hex(6)}"
+        with pytest.raises(ForwardError, match=f"cannot forward 127.0.0.1:{fixed} to guest port {OTHER_PORT}: "):
+            await other.setup(mid2, policy, guest_link="veth")
+        assert network_leftovers(namespace_name(mid2), host_if_name(mid2)) == [] and other.pool.in_use() == {}
+        # ... unless it is a fork child: then every forward listens on a free port
+        child = await other.setup(mid2, policy, guest_link="veth", auto_ports=True)
+        assert {f.host_port for f in child.forwarded_ports}.isdisjoint({auto.host_port, fixed})
+        await other.teardown(child)
+
+        # the daemon restarts: its listeners died with it; the new one listens on the recorded ports again
+        assert net.forwarder is not None and net.dns is not None
+        await net.forwarder.close()
+        await net.dns.close()
+        assert await asyncio.to_thread(_http_get, "127.0.0.1", auto.host_port) == "ConnectionRefusedError"
+        fresh = NetworkManager(AddressPool("10.214.5.0/24"), resolve=lambda n: [])
+        others.append(fresh)
+        net = await fresh.adopt(mid, policy, tmp_path)
+        assert net.forwarded_ports == (auto, fixed_fwd)
+        assert await asyncio.to_thread(_http_get, "127.0.0.1", auto.host_port) == "ok"
+        mgr = fresh
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        await mgr.teardown(net)
+    for port in (auto.host_port, fixed):
+        assert await asyncio.to_thread(_http_get, "127.0.0.1", port) == "ConnectionRefusedError"
     assert network_leftovers(net.namespace, net.host_if) == []

@@ -10,14 +10,14 @@ from smold.agent import ExecExit, ExecStderr, ExecStdout
 from smold.api import convert
 from smold.api.machine import MachineInfo, MachineState
 from smold.api.v1 import smol_pb2 as pb
-from smold.smolfile import Smolfile, SmolfileError, digest, parse_smolfile
+from smold.smolfile import PortForward, Smolfile, SmolfileError, digest, parse_smolfile
 from smold.verifier import CheckResult, Evidence, VerifyResult
 
 FULL = """
 image = "python-3.12"
 cpus = 3
 memory = "1536M"
-network = { allow = ["pypi.org:443", "10.0.0.0/8", "[2001:db8::1]:443"] }
+network = { allow = ["pypi.org:443", "10.0.0.0/8", "[2001:db8::1]:443"], forward = ["8080", "0.0.0.0:2222:22"] }
 setup = ["echo one", ["make", "-C", "/w", ""], { run = "pip install x", timeout = 60.5, cwd = "/w", user = "1000" }]
 task = { run = ["python3", "/agent/solve.py"], user = "agent", timeout = 100 }
 
@@ -92,6 +92,7 @@ def test_smolfile_spec_round_trip():
     msg = wire(convert.smolfile_to_spec_proto(s))
     assert msg.memory_mib == 1536 and msg.cpus == 3 and msg.base_dir == "/srv/task"
     assert msg.checks[0].command.shell == "pytest -q" and list(msg.checks[1].command.argv) == ["true"]
+    assert list(msg.network.forward) == ["127.0.0.1:0:8080", "0.0.0.0:2222:22"]
     back = convert.smolfile_from_spec_proto(msg)
     assert back == s
     assert digest(back) == digest(s)
@@ -207,8 +208,11 @@ def test_machine_round_trip():
         smolfile_digest="sha256:s",
         failure_reason="VMM exited with signal 9",
         console_tail="[    0.1] Kernel panic\n",
+        forwarded_ports=(PortForward(8080, 41234), PortForward(22, 2222, "0.0.0.0")),
     )
     msg = wire(convert.machine_to_proto(m))
+    assert [(f.host_address, f.host_port, f.guest_port) for f in msg.forwarded_ports] == [
+        ("127.0.0.1", 41234, 8080), ("0.0.0.0", 2222, 22)]
     assert msg.state == pb.MACHINE_STATE_FAILED and msg.created_at.seconds == int(m.created_at.timestamp())
     assert convert.machine_from_proto(msg) == m
     for state in MachineState:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import sys
@@ -142,3 +143,33 @@ def test_restarted_daemon_readopts_the_network_and_cleans_up_the_lost_machine() 
                     from smold.net.manager import remove_network
                     remove_network(namespace_name(m), host_if_name(m))
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("env", [{"net_pool": "10.214.7.0/24"}], indirect=True)
+async def test_port_forwards_are_reported_conflicts_refused_and_closed_on_destroy(env: Env) -> None:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        fixed = s.getsockname()[1]
+    m = await create(env, spec(network=pb.NetworkPolicy(forward=["8080", f"{fixed}:22"])))
+    got = (await env.stub.GetMachine(pb.GetMachineRequest(machine_id=m.id))).machine
+    ports = {f.guest_port: (f.host_address, f.host_port) for f in got.forwarded_ports}
+    assert ports[22] == ("127.0.0.1", fixed) and ports[8080][0] == "127.0.0.1" and ports[8080][1] > 0
+    assert got.HasField("network")  # a NIC, with nothing allowed out
+    def connect_and_read(port: int) -> bytes:  # (blocking: run off the loop the daemon is serving on)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+            c.settimeout(30)
+            return c.recv(1)
+
+    for port in (fixed, ports[8080][1]):  # listening; no 172.16.0.2 behind the fake guest's tap: closed
+        assert await asyncio.to_thread(connect_and_read, port) == b""
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await create(env, spec(network=pb.NetworkPolicy(forward=[f"{fixed}:23"])))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"cannot forward 127.0.0.1:{fixed} to guest port 23" in (e.value.details() or "")
+    assert "choose another host port" in (e.value.details() or "")
+    await env.stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))
+    for port in (fixed, ports[8080][1]):
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.to_thread(connect_and_read, port)
+    assert [x for x in netns.list_namespaces() if x == namespace_name(m.id)] == []

@@ -320,6 +320,53 @@ def test_network_policy_errors():
     assert (e.key, e.reason) == ("[network].allow[1]", "duplicate entry 'pypi.org'")
 
 
+def test_port_forwards_parse_with_defaults_and_round_trip():
+    from smold.smolfile import PortForward, to_mapping
+    from smold.smolfile.digest import digest
+    s = parse('network = {forward = ["8080", 9000, "18080:80", "0:81", "0.0.0.0:2222:22"]}')
+    assert s.network.enabled and s.network.allow == ()
+    assert s.network.forward == (PortForward(8080), PortForward(9000), PortForward(80, 18080), PortForward(81),
+                                 PortForward(22, 2222, "0.0.0.0"))
+    assert [str(f) for f in s.network.forward] == ["127.0.0.1:0:8080", "127.0.0.1:0:9000", "127.0.0.1:18080:80",
+                                                   "127.0.0.1:0:81", "0.0.0.0:2222:22"]
+    assert parse_mapping(to_mapping(s), base_dir=s.base_dir) == s
+    both = parse('network = {allow = ["10.0.0.0/8"], forward = ["8080"]}')
+    assert both.network.allow and both.network.forward
+    # a Smolfile without forwards keeps the digest it had before forwards existed (bakes stay valid)
+    plain = parse('network = {allow = ["10.0.0.0/8"]}')
+    assert "forward" not in to_mapping(plain)["network"]
+    assert digest(plain) != digest(both)
+
+
+@pytest.mark.parametrize(
+    "entry, reason",
+    [
+        ('"0"', "invalid port in '0': must be 1..65535"),
+        ('"70000"', "invalid port in '70000': must be 1..65535"),
+        ('"80:http"', "invalid port in '80:http': must be 1..65535"),
+        ('"99999:80"', "invalid port in '99999:80': must be 1..65535"),
+        ('"localhost:80:80"', "invalid forward 'localhost:80:80': the host address must be an IPv4 address (got 'localhost')"),
+        ('"::1:80:80"', "invalid forward '::1:80:80': expected GUEST_PORT, HOST_PORT:GUEST_PORT or HOST_ADDRESS:HOST_PORT:GUEST_PORT"),
+        ('""', "must not be empty"),
+        ("true", "must be a string, not a boolean"),
+    ],
+)
+def test_port_forward_entry_errors(entry, reason):
+    e = error(f'network = {{forward = ["8080", {entry}]}}')
+    assert (e.key, e.reason) == ("[network].forward[1]", reason)
+
+
+def test_port_forward_list_errors():
+    e = error('network = {forward = ["18080:80", "127.0.0.1:18080:81"]}')
+    assert (e.key, e.reason) == ("[network].forward[1]", "host 127.0.0.1:18080 is already forwarded")
+    e = error('network = {forward = ["80", "127.0.0.1:0:80"]}')
+    assert (e.key, e.reason) == ("[network].forward[1]", "duplicate entry '127.0.0.1:0:80'")
+    assert error('network = {forward = "80"}').reason == "must be an array of strings, not a string"
+    e = error("network = {allow = [], forward = []}")
+    assert (e.key, e.reason) == ("[network].allow", 'must not be empty (write network = "off" to disable networking)')
+    assert error('network = {forwards = ["80"]}').reason.startswith("unknown key")
+
+
 # --- mounts -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "mounts, key, reason",

@@ -37,7 +37,7 @@ COPY_FORMAT_FILE: CopyFormat
 COPY_FORMAT_TAR: CopyFormat
 
 class Machine(_message.Message):
-    __slots__ = ("id", "name", "state", "cpus", "memory_mib", "image", "image_digest", "smolfile_digest", "created_at", "failure_reason", "console_tail", "vmm_pid", "restored_from", "network")
+    __slots__ = ("id", "name", "state", "cpus", "memory_mib", "image", "image_digest", "smolfile_digest", "created_at", "failure_reason", "console_tail", "vmm_pid", "restored_from", "network", "forwarded_ports")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class Machine(_message.Message):
     VMM_PID_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
+    FORWARDED_PORTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: MachineState
@@ -66,7 +67,18 @@ class Machine(_message.Message):
     vmm_pid: int
     restored_from: str
     network: NetworkReport
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[MachineState, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., image: _Optional[str] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., console_tail: _Optional[str] = ..., vmm_pid: _Optional[int] = ..., restored_from: _Optional[str] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ...) -> None: ...
+    forwarded_ports: _containers.RepeatedCompositeFieldContainer[ForwardedPort]
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[MachineState, str]] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., image: _Optional[str] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failure_reason: _Optional[str] = ..., console_tail: _Optional[str] = ..., vmm_pid: _Optional[int] = ..., restored_from: _Optional[str] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ..., forwarded_ports: _Optional[_Iterable[_Union[ForwardedPort, _Mapping]]] = ...) -> None: ...
+
+class ForwardedPort(_message.Message):
+    __slots__ = ("guest_port", "host_address", "host_port")
+    GUEST_PORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_PORT_FIELD_NUMBER: _ClassVar[int]
+    guest_port: int
+    host_address: str
+    host_port: int
+    def __init__(self, guest_port: _Optional[int] = ..., host_address: _Optional[str] = ..., host_port: _Optional[int] = ...) -> None: ...
 
 class DeniedDestination(_message.Message):
     __slots__ = ("address", "protocol", "port", "packets")
@@ -160,10 +172,12 @@ class SmolfileSpec(_message.Message):
     def __init__(self, image: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., env: _Optional[_Mapping[str, str]] = ..., setup: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., task: _Optional[_Union[Command, _Mapping]] = ..., timeouts: _Optional[_Union[Timeouts, _Mapping]] = ..., checks: _Optional[_Iterable[_Union[Check, _Mapping]]] = ..., base_dir: _Optional[str] = ...) -> None: ...
 
 class NetworkPolicy(_message.Message):
-    __slots__ = ("allow",)
+    __slots__ = ("allow", "forward")
     ALLOW_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
     allow: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, allow: _Optional[_Iterable[str]] = ...) -> None: ...
+    forward: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, allow: _Optional[_Iterable[str]] = ..., forward: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Mount(_message.Message):
     __slots__ = ("host_path", "guest_path")
