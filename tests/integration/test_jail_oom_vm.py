@@ -60,6 +60,11 @@ boot = 900
 # work here, and a guest agent busy starting commands answers a new connection's HELLO only after them; at 10
 # per VM (the host-agent test's 40 over 4) connections waited past the daemon's --agent-connect-timeout.
 IN_FLIGHT = 2 * MACHINES
+# The guest agent's event loop waits while each command starts (vfork until the child's exec, emulated kernel
+# work), so a new connection's HELLO waits behind the commands queued before it. In CI, with another test
+# module's VMs on the same 2 cores, that passed the default 60 s once ("agent did not answer HELLO"). The test
+# is about results arriving complete and nothing leaking, not latency: give the handshake 5 minutes.
+AGENT_CONNECT_TIMEOUT = 300
 FILL = "dd if=/dev/zero of=/dev/shm/fill bs=1M count=120 2>&1; echo filled"
 
 
@@ -77,7 +82,8 @@ def jailed(artifacts: Artifacts) -> Iterator[Jailed]:  # noqa: F811
     """A daemon with --jail and a baked Smolfile (the module's one boot)."""
     d = Path(tempfile.mkdtemp(prefix="smjl-", dir="/tmp"))
     os.chmod(d, 0o755)
-    daemon = Daemon(d, "--jail", "--jail-uid", "64071", "--jail-gid", "64071", max_machines=4, max_memory_mib=2048)
+    daemon = Daemon(d, "--jail", "--jail-uid", "64071", "--jail-gid", "64071",
+                    "--agent-connect-timeout", str(AGENT_CONNECT_TIMEOUT), max_machines=4, max_memory_mib=2048)
     try:
         assert daemon.start().proc is not None
         (d / "Smolfile.toml").write_text(SMOLFILE)
