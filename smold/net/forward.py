@@ -135,22 +135,13 @@ class PortForwarder:
             guest = await asyncio.to_thread(netns.in_netns, self.namespace, _guest_socket)
             async with asyncio.timeout(self.connect_timeout):
                 await loop.sock_connect(guest, (self.guest, fwd.guest_port))
-        except (OSError, TimeoutError, NetError) as e:
-            log.info("machine %s: forward to guest port %d: cannot connect: %r", self.machine_id, fwd.guest_port, e)
-            client.close()
-            if guest is not None:
-                guest.close()
-            return
-        except BaseException:
-            client.close()
-            if guest is not None:
-                guest.close()
-            raise
-        try:
             await asyncio.gather(_pump(loop, client, guest), _pump(loop, guest, client))
+        except (OSError, TimeoutError, NetError) as e:  # the pumps end quietly: this is the connect failing
+            log.info("machine %s: forward to guest port %d: cannot connect: %r", self.machine_id, fwd.guest_port, e)
         finally:
             client.close()
-            guest.close()
+            if guest is not None:
+                guest.close()
 
 
 async def _pump(loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket.socket) -> None:
