@@ -1,10 +1,37 @@
-"""Shared pytest configuration: skip KVM tests where /dev/kvm is unusable."""
+"""Shared pytest configuration: skip KVM tests where /dev/kvm is unusable; one bake store for the run's daemons."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
+
+# The integration tests' daemons share one bake store (``smold --bakes-dir``, tests/integration/microvm.py
+# shared_bakes_args): the first module whose machine has to boot bakes its image's base, and every later module
+# restores that (seconds) instead of booting (minutes on an emulated-KVM host). Made here, in the controlling
+# process, before pytest-xdist starts its workers (they inherit the environment), and removed at the end of the
+# run; never kept between runs (a bake is tied to this checkout's VMM). SMOL_TEST_BAKES set by the caller is
+# used as it is and left in place.
+BAKES_ENV = "SMOL_TEST_BAKES"
+_made_bakes: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or os.environ.get(BAKES_ENV):
+        return
+    path = tempfile.mkdtemp(prefix="smol-test-bakes-", dir="/tmp")
+    os.environ[BAKES_ENV] = path
+    _made_bakes.append(path)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for path in _made_bakes:
+        shutil.rmtree(path, ignore_errors=True)
+        if os.environ.get(BAKES_ENV) == path:
+            del os.environ[BAKES_ENV]
+    _made_bakes.clear()
 
 
 def kvm_usable() -> bool:

@@ -6,6 +6,12 @@ Smolfile's image, cpus, memory, network, mounts, env and setup, together with th
 a digest of the mount sources' contents. Two Smolfiles that differ only in timeouts, task or verifier share a
 bake; any change to what the machine holds once created gives another key. docs/daemon.md, "Pre-baked images".
 
+A base bake is the bake of ``base_smolfile``: the machine as booted, before mounts, env and setup. A create
+with no bake of its own restores its base bake and then copies its mounts and runs its setup; a create that
+had to boot bakes itself as that base first (``--no-auto-bake`` turns that off). Several daemons on one host
+may share a store (``--bakes-dir``): temporary directories carry the writer's pid, and a bake already in
+place when an automatic one finishes is kept.
+
 Before a bake is restored it is checked (``BakeStore.verify``): bake.json names the same key, the state file
 passes its checks (magic, version, sha256), the snapshot is of the Smolfile's size and the image's root disk,
 and the memory file matches the sha256 recorded in the state when it was baked. Hashing the memory file
@@ -15,10 +21,12 @@ remembered. A refused bake raises BakeCorruptError and is never used.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import stat
 from dataclasses import dataclass
@@ -35,6 +43,7 @@ from .errors import DaemonError, InvalidRequestError, Status
 from .images import Image
 
 BAKE_META = "bake.json"
+TEMP_PREFIX = ".tmp-"   # + "<pid>-...": half-written or half-deleted; removed once that process is gone
 BAKE_META_VERSION = 1
 KEY_RE = re.compile(r"(?:sha256:)?([0-9a-f]{6,64})")
 _HASH_CHUNK = 1 << 20
@@ -96,6 +105,12 @@ def _hash_tree(h: Any, path: Path, rel: str) -> None:
                 h.update(chunk)
     else:  # sockets, fifos, devices: not copied into the guest either; their presence still counts
         h.update(f"O\0{rel}\0{stat.S_IFMT(st.st_mode):o}\0".encode())
+
+
+def base_smolfile(smolfile: Smolfile) -> Smolfile:
+    """The Smolfile's machine as it is once booted: the same image, size and network, without mounts, env,
+    setup, task or checks. Equal to ``smolfile`` when it has none of those."""
+    return dataclasses.replace(smolfile, mounts=(), env=(), setup=(), task=None, checks=())
 
 
 def bake_key(smolfile: Smolfile, image_digest: str, mounts: str) -> str:
@@ -271,10 +286,15 @@ class BakeStore:
     def forget(self, key: str) -> None:
         self._verified.pop(key_hex(key), None)
 
+    def temp_path(self) -> Path:
+        """A fresh name for a bake being written (or deleted): never listed, removed by ``clean`` once the
+        process that chose it is gone."""
+        return self.directory / f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+
     def remove(self, key: str) -> None:
-        """Rename the bake aside (``.tmp-del-*``: never seen as a bake again), then delete it."""
+        """Rename the bake aside (a temp_path: never seen as a bake again), then delete it."""
         directory = self.path(key)
-        aside = self.directory / f".tmp-del-{key_hex(key)[:12]}-{os.getpid()}-{id(self):x}"
+        aside = self.temp_path()
         try:
             os.rename(directory, aside)
         except FileNotFoundError:
@@ -283,8 +303,22 @@ class BakeStore:
         shutil.rmtree(aside, ignore_errors=True)
 
     def clean(self) -> None:
-        """Remove half-written or half-deleted bakes (``.tmp-*``) left by an earlier daemon."""
+        """Remove half-written or half-deleted bakes (``.tmp-*``) left by a daemon that is gone; those of a live
+        process (another daemon sharing the store) are left alone."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         for d in self.directory.iterdir():
-            if d.name.startswith(".tmp-"):
+            if d.name.startswith(TEMP_PREFIX) and not _pid_alive(d.name[len(TEMP_PREFIX):].partition("-")[0]):
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def _pid_alive(text: str) -> bool:
+    """Whether ``text`` is the pid of a live process other than this one."""
+    if not text.isdigit() or int(text) == os.getpid():
+        return False
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True

@@ -60,6 +60,8 @@ class DaemonConfig:
     jail_uid: int = 64000  # the jailed VMM's uid and gid (must not be 0)
     jail_gid: int = 64000
     net_pool: str = "10.213.0.0/16"  # per-machine /30 uplinks of networked machines (docs/networking.md)
+    bakes_path: Path | None = None  # the bake store (--bakes-dir); None: STATE_DIR/bakes
+    auto_bake: bool = True  # a machine that had to boot is baked as its image's base before mounts and setup
 
     @property
     def machines_dir(self) -> Path:
@@ -72,8 +74,8 @@ class DaemonConfig:
 
     @property
     def bakes_dir(self) -> Path:
-        """Pre-baked images (BakeImage; CreateMachine restores a matching one): ``<key hex>/``."""
-        return self.state_dir / "bakes"
+        """Pre-baked images (BakeImage, base bakes; CreateMachine restores a matching one): ``<key hex>/``."""
+        return self.bakes_path if self.bakes_path is not None else self.state_dir / "bakes"
 
     @property
     def forks_dir(self) -> Path:
@@ -106,6 +108,8 @@ class DaemonConfig:
             raise ValueError("--agent-connect-timeout must be positive")
         if self.max_concurrent_calls < 1:
             raise ValueError("--max-concurrent-calls must be at least 1")
+        if self.bakes_path is not None and not self.bakes_path.is_absolute():
+            raise ValueError(f"--bakes-dir must be an absolute path (got {self.bakes_path})")
         if any(not p.is_absolute() for p in self.mount_roots):
             raise ValueError("--mount-root must be an absolute path")
         if self.jail and (self.jail_uid <= 0 or self.jail_gid <= 0):

@@ -61,6 +61,7 @@ from smold.verifier import Evidence, VerifyResult, tail_text, verify
 from . import guestops
 from .bakes import (
     BAKE_META,
+    TEMP_PREFIX,
     BakeBusyError,
     BakeCorruptError,
     BakeExistsError,
@@ -68,6 +69,7 @@ from .bakes import (
     BakeNotFoundError,
     BakeStore,
     bake_key,
+    base_smolfile,
     mounts_digest,
 )
 from .config import DEFAULT_CONSOLE_TAIL, MAX_CONSOLE_TAIL, DaemonConfig
@@ -453,7 +455,10 @@ class Controller:
                       restore: Path | None = None, image_digest: str = "", use_bake: bool = True) -> Machine:
         """Boot (or, with ``restore``, restore that snapshot directory: no mounts, no setup) one machine.
         Without ``restore`` a verified bake matching the Smolfile and image is restored if there is one
-        (unless ``use_bake`` is false)."""
+        (unless ``use_bake`` is false); failing that, its base bake (the same machine before mounts, env and
+        setup), which are then provisioned as after a boot. A cold boot is itself baked as that base
+        (``auto_bake``) before its mounts and setup, so the next machine of that image and size restores."""
+        provision = restore is None
         if restore is None:
             await asyncio.to_thread(check_mount_sources, smolfile, filename=filename)
             await asyncio.to_thread(check_mount_roots, smolfile, self.config.mount_roots, filename)
@@ -462,6 +467,11 @@ class Controller:
         note = ""
         if restore is None and use_bake:
             restore, note = await self._find_bake(smolfile, image)
+            provision = restore is None
+        base = base_smolfile(smolfile)
+        if restore is None and provision and base != smolfile:
+            restore, base_note = await self._find_bake(base, image, base=True)
+            note = "; ".join(n for n in (note, base_note) if n)
         self._admit(smolfile, name)  # again: no await between this check and the insert below
         mid = f"m-{secrets.token_hex(6)}"
         m = Machine(
@@ -473,7 +483,9 @@ class Controller:
         m.create_task = asyncio.current_task()
         try:
             await self._boot(m, image, steps)
-            if restore is None:  # a snapshot already holds its mounts and setup
+            if restore is None and self.config.auto_bake:
+                await self._auto_bake(m, base, image)
+            if provision:  # a bake of this Smolfile (or a fork, a checkpoint) already holds its mounts and setup
                 await self._provision(m, steps)
         except asyncio.CancelledError:
             if m.destroy_requested:  # DestroyMachine cancelled us: report that rather than a cancellation
@@ -1065,21 +1077,65 @@ class Controller:
         mounts = await asyncio.to_thread(mounts_digest, smolfile)
         return bake_key(smolfile, image.digest, mounts), mounts
 
-    async def _find_bake(self, smolfile: Smolfile, image: Any) -> tuple[Path | None, str]:
+    async def _find_bake(self, smolfile: Smolfile, image: Any, *, base: bool = False) -> tuple[Path | None, str]:
         """The bake to restore for this Smolfile and image, if one exists and passes its checks; and what
-        to say in the boot step about it."""
+        to say in the boot step about it (``base``: the Smolfile is a base_smolfile)."""
         key, _ = await self._bake_key(smolfile, image)
         directory = self.bakes.path(key)
         if key in self._baking or not await asyncio.to_thread(directory.is_dir):
             return None, ""
+        what = "base bake" if base else "bake"
         try:
             await asyncio.to_thread(self.bakes.verify, key, smolfile=smolfile, image=image)
         except BakeNotFoundError:  # deleted meanwhile
             return None, ""
         except BakeCorruptError as e:
             log.warning("not using %s: %s", key, e)
-            return None, f"bake {key[:19]} refused ({e}); booted instead"
-        return directory, f"restored bake {key[:19]}"
+            return None, f"{what} {key[:19]} refused ({e}); booted instead"
+        return directory, f"restored {what} {key[:19]}" + (" (then mounts and setup)" if base else "")
+
+    async def _auto_bake(self, m: Machine, base: Smolfile, image: Any) -> None:
+        """Snapshot a machine that has just booted (before its mounts and setup) as the base bake of its image,
+        size and network, unless there is one: later machines restore it instead of booting. Best effort: a
+        failure is logged and the machine goes on. Another daemon sharing the bake store may bake the same
+        key at the same time; the first one in place is kept (``_finish_bake(replace=False)``)."""
+        start = time.monotonic()
+        key, mounts = await self._bake_key(base, image)
+        final = self.bakes.path(key)
+        if key in self._baking:
+            return
+        refused = False
+        if await asyncio.to_thread(final.is_dir):
+            try:  # remembered from the lookup that refused it: no second hash of its memory
+                await asyncio.to_thread(self.bakes.verify, key, smolfile=base, image=image)
+                return
+            except BakeNotFoundError:
+                pass
+            except BakeCorruptError:  # replaced below, unless machines of this daemon were restored from it
+                if self._restore_busy(final) or self._restored_machines(final):
+                    return
+                refused = True
+        self._baking.add(key)
+        tmp = self.bakes.temp_path()
+        kept = False
+        try:
+            await self._write_checkpoint(m, tmp, "", memory_digest=True)
+            meta = BakeMeta.for_smolfile(key, base, image, mounts, time.monotonic() - start)
+            # A refused base is replaced; one that another daemon put in place meanwhile is kept.
+            kept = await asyncio.to_thread(_finish_bake, tmp, final, meta.to_json(), replace=refused)
+        except DaemonError as e:
+            if m.exited.is_set():
+                raise CreateFailedError(f"machine {m.id}: {e}", Status.INTERNAL) from None
+            log.warning("machine %s: not baked as base %s: %s", m.id, key_short(key), e)
+        except OSError as e:
+            log.warning("machine %s: not baked as base %s: %s", m.id, key_short(key), e)
+        finally:
+            self._baking.discard(key)
+            if not kept:
+                await asyncio.to_thread(shutil.rmtree, tmp, True)
+        if kept:
+            self.bakes.forget(key)
+            log.info("machine %s baked as base %s in %.1fs", m.id, key_short(key), time.monotonic() - start)
 
     async def bake(self, smolfile: Smolfile, filename: str = "Smolfile.toml", *, replace: bool = False) -> BakeInfo:
         """Create a machine from the Smolfile (boot, mounts, setup; never from a bake), snapshot it into the
@@ -1108,7 +1164,7 @@ class Controller:
                     await self._destroy_quietly(gone)
                 raise
             try:
-                tmp = self.config.bakes_dir / f".tmp-{secrets.token_hex(6)}"
+                tmp = self.bakes.temp_path()
                 await self._write_checkpoint(m, tmp, "", memory_digest=True)
                 meta = BakeMeta.for_smolfile(key, smolfile, image, mounts, time.monotonic() - start)
                 try:
@@ -1291,8 +1347,9 @@ def key_short(key: str) -> str:
     return key.removeprefix("sha256:")[:12]
 
 
-def _finish_bake(tmp: Path, final: Path, meta_json: str) -> None:
-    """Make a written bake durable and move it into place (replacing an older one of the same key)."""
+def _finish_bake(tmp: Path, final: Path, meta_json: str, *, replace: bool = True) -> bool:
+    """Make a written bake durable and move it into place, replacing an older one of the same key; without
+    ``replace`` an existing one is kept and False returned (the caller removes ``tmp``)."""
     (tmp / BAKE_META).write_text(meta_json)
     for p in tmp.iterdir():
         fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
@@ -1302,9 +1359,16 @@ def _finish_bake(tmp: Path, final: Path, meta_json: str) -> None:
             os.close(fd)
     old = None
     if final.exists():
-        old = final.with_name(f".tmp-old-{secrets.token_hex(6)}")
+        if not replace:
+            return False
+        old = final.with_name(f"{TEMP_PREFIX}{os.getpid()}-old-{secrets.token_hex(6)}")
         os.rename(final, old)
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)  # a directory onto a non-empty one fails: another daemon's bake came first
+    except OSError as e:
+        if replace or e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        return False
     fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -1312,6 +1376,7 @@ def _finish_bake(tmp: Path, final: Path, meta_json: str) -> None:
         os.close(fd)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    return True
 
 
 def _hostname(m: Machine) -> str:

@@ -206,12 +206,12 @@ class VmmLauncher(Launcher):
         if self.jail is None:
             return await super().snapshot(state_dir, directory, timeout, digest=digest)
         # The jail shows the VMM only its state dir: it writes there, the daemon moves the result into place
-        # (same filesystem: both live under the daemon's state directory).
+        # (a rename under the daemon's state directory; a copy into a --bakes-dir on another filesystem).
         out = state_dir / SNAPSHOT_OUT
         await asyncio.to_thread(shutil.rmtree, out, True)
         info = await super().snapshot(state_dir, out, timeout, digest=digest)
         try:
-            await asyncio.to_thread(os.rename, out, directory)
+            await asyncio.to_thread(shutil.move, out, directory)
         except OSError as e:
             await asyncio.to_thread(shutil.rmtree, out, True)
             raise LaunchError(f"cannot move the snapshot into {directory}: {e}") from None

@@ -20,6 +20,12 @@ from smold.images.artifacts import Artifacts
 T = TypeVar("T")
 
 
+def shared_bakes_args() -> list[str]:
+    """``--bakes-dir`` of the run's shared bake store (tests/conftest.py) for a test's smold, if there is one."""
+    path = os.environ.get("SMOL_TEST_BAKES")
+    return ["--bakes-dir", path] if path else []
+
+
 class MicrovmError(Exception):
     """The VMM process failed to start or become ready."""
 

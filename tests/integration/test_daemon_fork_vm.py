@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from microvm import shared_bakes_args
 from test_daemon_vm import vmm_processes
 
 from smold.api.v1 import smol_pb2 as pb
@@ -55,7 +56,8 @@ def daemon(artifacts: Artifacts) -> Iterator[tuple[pb_grpc.SmolStub, Path]]:
     sock, state, log = d / "smold.sock", d / "state", d / "smold.log"
     with open(log, "ab") as f:
         proc = subprocess.Popen([sys.executable, "-m", "smold.daemon", "--socket", str(sock), "--state-dir",
-                                 str(state), "--max-machines", "4", "--max-memory", "2048", "--log-level", "debug"],
+                                 str(state), "--max-machines", "4", "--max-memory", "2048", "--log-level", "debug",
+                                 *shared_bakes_args()],
                                 stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)
     try:
         deadline = time.monotonic() + 120

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from microvm import shared_bakes_args
 
 from smold.images.artifacts import Artifacts, default_artifacts
 
@@ -51,7 +52,7 @@ class Daemon:
 
     def start(self) -> Daemon:
         argv = [sys.executable, "-m", "smold.daemon", "--socket", str(self.socket), "--state-dir", str(self.state),
-                "--log-level", "debug", *self.extra]
+                "--log-level", "debug", *shared_bakes_args(), *self.extra]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          start_new_session=True)

@@ -40,10 +40,11 @@ if not os.environ.get("SMOL_INSPECT_FULL"):
     for _name in [n for n in globals() if n.startswith("test_") and n not in SUBSET]:
         del globals()[_name]
 
+# The size of the other daemon tests' machines: this one restores the base bake they share (tests/conftest.py).
 SMOLFILE = """
 image = "default"
 cpus = 1
-memory = "1G"
+memory = "512M"
 [timeouts]
 boot = 900
 """

@@ -9,10 +9,12 @@ these tests cover the bake store, keys, lookup, refusal of corrupted bakes and t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
@@ -36,7 +38,9 @@ from smold.api.machine import BakeInfo
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 from smold.daemon import Daemon, DaemonConfig
-from smold.daemon.bakes import BakeCorruptError, BakeStore, bake_key, mounts_digest
+from smold.daemon.bakes import BakeCorruptError, BakeStore, bake_key, base_smolfile, key_hex, mounts_digest
+from smold.daemon.controller import _finish_bake
+from smold.daemon.errors import LaunchError
 from smold.daemon.record import MachineRecord
 from smold.smolfile import parse_smolfile
 from smold.snapshot import store
@@ -99,7 +103,7 @@ class Env:
 
     @property
     def sock(self) -> Path:
-        return self.dir / "smold.sock"
+        return self.daemon.config.socket_path
 
 
 @pytest.fixture
@@ -109,18 +113,33 @@ def workdir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture
-async def env(workdir: Path) -> AsyncIterator[Env]:
-    config = DaemonConfig(socket_path=workdir / "smold.sock", state_dir=workdir / "state", max_machines=6,
-                          max_memory_mib=8192, destroy_grace_s=5.0)
+@contextlib.asynccontextmanager
+async def running_daemon(workdir: Path, *, auto_bake: bool, name: str = "state",
+                         bakes: Path | None = None) -> AsyncIterator[Env]:
+    config = DaemonConfig(socket_path=workdir / f"{name}.sock", state_dir=workdir / name, max_machines=6,
+                          max_memory_mib=8192, destroy_grace_s=5.0, auto_bake=auto_bake, bakes_path=bakes)
     images = fake_images(workdir)
     launcher = BakingLauncher(workdir / "rootfs.ext4")
     daemon, task = await start_daemon_task(config, images, launcher)
-    async with grpc.aio.insecure_channel(f"unix:{workdir / 'smold.sock'}") as channel:
+    async with grpc.aio.insecure_channel(f"unix:{config.socket_path}") as channel:
         yield Env(daemon, pb_grpc.SmolStub(channel), workdir, launcher)
     daemon.stop()
     await asyncio.wait_for(task, 30)
-    assert processes_mentioning(str(workdir / "state")) == [], "the daemon left VM processes behind"
+    assert processes_mentioning(str(workdir / name)) == [], "the daemon left VM processes behind"
+
+
+@pytest.fixture
+async def env(workdir: Path) -> AsyncIterator[Env]:
+    """A daemon that bakes only when asked (BakeImage): the explicit bake store."""
+    async with running_daemon(workdir, auto_bake=False) as e:
+        yield e
+
+
+@pytest.fixture
+async def auto_env(workdir: Path) -> AsyncIterator[Env]:
+    """A daemon as it runs by default: a machine that had to boot is baked as its base."""
+    async with running_daemon(workdir, auto_bake=True) as e:
+        yield e
 
 
 def smolfile_text(env: Env, *, env_value: str = "1", extra: str = "") -> str:
@@ -237,6 +256,109 @@ async def test_bake_then_create_and_run_restore_it(env: Env) -> None:
     assert m2.restored_from == "" and setup_runs(env) == 4
 
 
+# --- base bakes: a machine that had to boot is baked before its mounts and setup ----------------------------------
+async def base_key(env: Env, text: str) -> str:
+    sf = base_smolfile(parse_smolfile(text.encode(), base_dir=str(env.dir)))
+    return bake_key(sf, (await env.daemon.controller.images.resolve("default")).digest, mounts_digest(sf))
+
+
+async def test_a_booted_machine_is_baked_as_its_base_and_later_creates_restore_it_then_run_setup(
+        auto_env: Env) -> None:
+    env, s = auto_env, auto_env.stub
+    text = smolfile_text(env)
+    key = await base_key(env, text)
+    assert key != bake_key(parse_smolfile(text.encode(), base_dir=str(env.dir)), "x", "y")
+    a = (await s.CreateMachine(pb.CreateMachineRequest(smolfile=request(env, text)))).machine
+    assert a.restored_from == "" and setup_runs(env) == 1          # booted, then its setup ran
+    assert len(env.launcher.calls) == 1 and env.launcher.calls[0][1]  # baked (memory digest) before the setup
+    bakes = (await s.ListBakes(pb.ListBakesRequest())).bakes
+    assert [b.key for b in bakes] == [key] and not bakes[0].error
+    meta = json.loads((env.state / "bakes" / key_hex(key) / "bake.json").read_text())
+    assert meta["boot_state"]["setup"] == [] and meta["boot_state"]["env"] == {}
+
+    # Another env and setup: no bake of its own, so the base is restored and its setup runs after it.
+    other = smolfile_text(env, env_value="2")
+    run = await s.Run(pb.RunRequest(smolfile=request(env, other + VERIFIER)))
+    assert run.result.passed, run
+    assert [st.name for st in run.steps] == ["boot", "setup[0]"], run.steps
+    assert f"restored base bake {key[:19]} (then mounts and setup)" in run.steps[0].evidence.detail
+    assert setup_runs(env) == 2 and len(env.launcher.calls) == 1    # nothing baked again
+    b = (await s.CreateMachine(pb.CreateMachineRequest(smolfile=request(env, other)))).machine
+    assert b.restored_from == f"bake:{key}" and setup_runs(env) == 3
+
+    # A Smolfile with nothing to provision is its own base: restored as it is.
+    plain = f"cpus = 1\nmemory = {MEM_MIB}\n"
+    assert await base_key(env, plain) == key
+    c = (await s.CreateMachine(pb.CreateMachineRequest(smolfile=request(env, plain)))).machine
+    assert c.restored_from == f"bake:{key}" and setup_runs(env) == 3
+
+    # BakeImage starts from the base too: one snapshot (the bake's own), the setup once more.
+    baked = (await s.BakeImage(pb.BakeImageRequest(smolfile=request(env, text)))).bake
+    assert len(env.launcher.calls) == 2 and setup_runs(env) == 4
+    assert sorted(b.key for b in (await s.ListBakes(pb.ListBakesRequest())).bakes) == sorted([key, baked.key])
+
+    # Another size has no base yet: it boots and becomes one.
+    big = smolfile_text(env).replace(f"memory = {MEM_MIB}", f"memory = {2 * MEM_MIB}")
+    d = (await s.CreateMachine(pb.CreateMachineRequest(smolfile=request(env, big)))).machine
+    assert d.restored_from == "" and len(env.launcher.calls) == 3
+    # BakingLauncher writes a 128 MiB snapshot whatever the size: the store refuses that base, so the next
+    # machine boots, says why, and bakes the base again in its place.
+    big_key = await base_key(env, big)
+    first = (env.state / "bakes" / key_hex(big_key) / "bake.json").stat().st_ino
+    run = await s.Run(pb.RunRequest(smolfile=request(env, big + VERIFIER)))
+    assert run.result.passed and f"base bake {big_key[:19]} refused" in run.steps[0].evidence.detail, run.steps[0]
+    assert "booted instead" in run.steps[0].evidence.detail and len(env.launcher.calls) == 4
+    assert (env.state / "bakes" / key_hex(big_key) / "bake.json").stat().st_ino != first
+
+
+async def test_without_auto_bake_nothing_is_baked_unasked(env: Env) -> None:
+    assert not env.daemon.config.auto_bake
+    m = (await env.stub.CreateMachine(pb.CreateMachineRequest(smolfile=request(env, smolfile_text(env))))).machine
+    assert m.restored_from == "" and env.launcher.calls == []
+    assert (await env.stub.ListBakes(pb.ListBakesRequest())).bakes == []
+
+
+async def test_a_failed_base_bake_leaves_the_machine_running_and_nothing_in_the_store(auto_env: Env) -> None:
+    env = auto_env
+
+    async def refuse(*args: object, **kw: object) -> dict[str, Any]:
+        raise LaunchError("the VMM refused the snapshot: no space", no_space=True)
+
+    env.launcher.snapshot = refuse  # type: ignore[method-assign]
+    m = (await env.stub.CreateMachine(pb.CreateMachineRequest(smolfile=request(env, smolfile_text(env))))).machine
+    assert m.state == pb.MACHINE_STATE_RUNNING and setup_runs(env) == 1
+    assert (await env.stub.ListBakes(pb.ListBakesRequest())).bakes == []
+    assert [p.name for p in (env.state / "bakes").iterdir()] == []   # no half-written directory either
+
+
+async def test_daemons_sharing_a_bake_store_restore_each_others_base(workdir: Path) -> None:
+    shared = workdir / "shared-bakes"
+    text = smolfile_text(Env(None, None, workdir, None))  # type: ignore[arg-type]
+    async with running_daemon(workdir, auto_bake=True, name="one", bakes=shared) as one:
+        m = (await one.stub.CreateMachine(pb.CreateMachineRequest(smolfile=request(one, text)))).machine
+        assert m.restored_from == "" and len(one.launcher.calls) == 1
+        async with running_daemon(workdir, auto_bake=True, name="two", bakes=shared) as two:
+            n = (await two.stub.CreateMachine(pb.CreateMachineRequest(smolfile=request(two, text)))).machine
+            assert n.restored_from.startswith("bake:sha256:") and two.launcher.calls == []
+            assert (shared / n.restored_from.removeprefix("bake:sha256:")).is_dir()
+            assert not (workdir / "two" / "bakes").exists()
+    assert setup_runs(one) == 2
+
+
+def test_an_automatic_bake_keeps_the_one_already_in_place(tmp_path: Path) -> None:
+    final = tmp_path / "ab"
+    final.mkdir()
+    (final / "bake.json").write_text("first")
+    tmp = tmp_path / ".tmp-1-x"
+    tmp.mkdir()
+    (tmp / "memory.raw").write_bytes(b"m")
+    assert _finish_bake(tmp, final, "second", replace=False) is False
+    assert (final / "bake.json").read_text() == "first"
+    assert _finish_bake(tmp, final, "second") is True            # BakeImage(replace=True) replaces it
+    assert (final / "bake.json").read_text() == "second" and not tmp.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["ab"]         # the old one removed
+
+
 def _flip(path: Path, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -348,10 +470,15 @@ async def test_half_written_bakes_are_removed_at_start(workdir: Path) -> None:
     bakes = workdir / "state" / "bakes"
     (bakes / ".tmp-half").mkdir(parents=True)
     (bakes / "ab").mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (bakes / f".tmp-{gone.pid}-0a1b2c").mkdir()        # its writer is gone
+    alive = f".tmp-{os.getppid()}-0a1b2c"               # another live daemon sharing the store is writing it
+    (bakes / alive).mkdir()
     config = DaemonConfig(socket_path=workdir / "smold.sock", state_dir=workdir / "state")
     daemon = Daemon(config, launcher=HostAgentLauncher(), images=fake_images(workdir))
     await daemon.controller.start()
-    assert [p.name for p in bakes.iterdir()] == ["ab"]
+    assert sorted(p.name for p in bakes.iterdir()) == sorted(["ab", alive])
 
 
 # --- checkpoints: list and delete -----------------------------------------------------------------------------------

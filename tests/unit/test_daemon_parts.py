@@ -158,9 +158,21 @@ def test_config_validation(tmp_path: Path) -> None:
     DaemonConfig(socket_path=tmp_path / "s", state_dir=tmp_path).validate()
     for kw, msg in (({"max_machines": 0}, "--max-machines"), ({"max_memory_mib": 64}, "--max-memory"),
                     ({"on_shutdown": "explode"}, "--on-shutdown"), ({"socket_mode": 0o10000}, "--socket-mode"),
-                    ({"socket_path": Path("rel")}, "absolute"), ({"socket_path": tmp_path / ("x" * 120)}, "longer")):
+                    ({"socket_path": Path("rel")}, "absolute"), ({"socket_path": tmp_path / ("x" * 120)}, "longer"),
+                    ({"bakes_path": Path("rel")}, "--bakes-dir")):
         with pytest.raises(ValueError, match=msg):
             DaemonConfig(**{"socket_path": tmp_path / "s", "state_dir": tmp_path, **kw}).validate()  # type: ignore[arg-type]
+
+
+def test_bake_store_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from smold.daemon.__main__ import config_from_args, parser
+    plain = config_from_args(parser().parse_args(["--state-dir", str(tmp_path)]))
+    assert plain.auto_bake and plain.bakes_dir == tmp_path / "bakes"
+    monkeypatch.chdir(tmp_path)
+    shared = config_from_args(parser().parse_args(["--state-dir", str(tmp_path), "--bakes-dir", "shared",
+                                                   "--no-auto-bake"]))
+    assert not shared.auto_bake and shared.bakes_dir == tmp_path / "shared"
+    shared.validate()
 
 
 def test_run_result_and_machine_conversions() -> None:
