@@ -1,8 +1,9 @@
-"""smold pre-baked images end to end with a real microVM: one boot (the bake), then two creates restored from it.
+"""smold pre-baked images end to end with a real microVM: one bake, then two creates restored from it.
 
-Boots exactly one VM (cpus=1, 512 MiB) to bake the Smolfile (its setup command runs once, before the
-snapshot); both machines created afterwards restore the bake instead of booting, each with its own hostname
-and machine-id, and exec works in them at once.
+Makes one VM (cpus=1, 512 MiB) to bake the Smolfile: it boots, or restores the base bake of the default image
+at that size when a module before it sharing the run's bake store (tests/conftest.py) made one; its setup
+command runs once, before the snapshot. Both machines created afterwards restore the bake instead of booting,
+each with its own hostname and machine-id, and exec works in them at once.
 """
 
 from __future__ import annotations

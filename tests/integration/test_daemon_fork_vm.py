@@ -1,6 +1,7 @@
 """smold Fork end to end with a real microVM: one boot, three copy-on-write children restored from it.
 
-Boots exactly one VM (cpus=1, 512 MiB); the children are restores (each well under a second of VMM work,
+Makes one VM (cpus=1, 512 MiB: booted, or restored from the run's base bake of that size, tests/conftest.py);
+the children are restores (each well under a second of VMM work,
 then seconds per guest process start on an emulated-KVM host).
 """
 

@@ -1,7 +1,8 @@
 """smold end to end with real microVMs: Run of both examples, supervision, kill -9, restart, destroy.
 
-Boots four VMs in all, never more than two at once (cpus=1, 512 MiB each): on an emulated-KVM (PVM) host
-one boot to agent-ready takes minutes and a whole host core, so every boot here is made to count.
+Makes four VMs in all, never more than two at once (cpus=1, 512 MiB each): on an emulated-KVM (PVM) host
+one boot to agent-ready takes minutes and a whole host core, so the daemon boots at most the first and bakes it
+as the base every later one restores (in the run's shared bake store, tests/conftest.py).
 """
 
 from __future__ import annotations
