@@ -158,12 +158,6 @@ def test_vm_over_its_memory_limit_is_stopped_and_reported_while_its_neighbour_ru
     print(f"\nOOM after {t_oom:.0f}s with a {limit_mib} MiB limit: {reason}")
 
 
-# Not in the default run: under CI's two test workers on this 2-core PVM host it failed twice (a vsock connect
-# answered after 5 s, since fixed; a HELLO queued behind emulated command starts past 60 s) and once ran CI past
-# its hour. It passes run alone (15 min with the memory test). A lasting fix moves the agent's command starts
-# off its event loop. Run it with SMOL_VM_LOAD=1.
-@pytest.mark.skipif(os.environ.get("SMOL_VM_LOAD") != "1",
-                    reason="the VM load test runs only with SMOL_VM_LOAD=1 (see the comment above it)")
 def test_200_execs_across_4_vms_with_clients_leaving(jailed: Jailed) -> None:
     asyncio.run(load(jailed))
 
