@@ -469,7 +469,7 @@ class Controller:
             restore, note = await self._find_bake(smolfile, image)
             provision = restore is None
         base = base_smolfile(smolfile)
-        if restore is None and provision and base != smolfile:
+        if restore is None and base != smolfile:
             restore, base_note = await self._find_bake(base, image, base=True)
             note = "; ".join(n for n in (note, base_note) if n)
         self._admit(smolfile, name)  # again: no await between this check and the insert below
@@ -1116,13 +1116,10 @@ class Controller:
                     return
                 refused = True
         self._baking.add(key)
-        tmp = self.bakes.temp_path()
-        kept = False
         try:
-            await self._write_checkpoint(m, tmp, "", memory_digest=True)
-            meta = BakeMeta.for_smolfile(key, base, image, mounts, time.monotonic() - start)
             # A refused base is replaced; one that another daemon put in place meanwhile is kept.
-            kept = await asyncio.to_thread(_finish_bake, tmp, final, meta.to_json(), replace=refused)
+            if await self._store_bake(m, key, base, image, mounts, start, replace=refused):
+                log.info("machine %s baked as base %s in %.1fs", m.id, key_short(key), time.monotonic() - start)
         except DaemonError as e:
             if m.exited.is_set():
                 raise CreateFailedError(f"machine {m.id}: {e}", Status.INTERNAL) from None
@@ -1131,11 +1128,24 @@ class Controller:
             log.warning("machine %s: not baked as base %s: %s", m.id, key_short(key), e)
         finally:
             self._baking.discard(key)
+
+    async def _store_bake(self, m: Machine, key: str, smolfile: Smolfile, image: Any, mounts: str, start: float, *,
+                          replace: bool) -> bool:
+        """Snapshot the machine (memory digest recorded) under a temp name, describe it and move it into place as
+        bake ``key`` (``_finish_bake``); False when ``replace`` is off and the key is baked already. Nothing is
+        left under the temp name either way; DaemonError from the snapshot, OSError from the move."""
+        tmp = self.bakes.temp_path()
+        kept = False
+        try:
+            await self._write_checkpoint(m, tmp, "", memory_digest=True)
+            meta = BakeMeta.for_smolfile(key, smolfile, image, mounts, time.monotonic() - start)
+            kept = await asyncio.to_thread(_finish_bake, tmp, self.bakes.path(key), meta.to_json(), replace=replace)
+        finally:
             if not kept:
                 await asyncio.to_thread(shutil.rmtree, tmp, True)
         if kept:
             self.bakes.forget(key)
-            log.info("machine %s baked as base %s in %.1fs", m.id, key_short(key), time.monotonic() - start)
+        return kept
 
     async def bake(self, smolfile: Smolfile, filename: str = "Smolfile.toml", *, replace: bool = False) -> BakeInfo:
         """Create a machine from the Smolfile (boot, mounts, setup; never from a bake), snapshot it into the
@@ -1164,19 +1174,13 @@ class Controller:
                     await self._destroy_quietly(gone)
                 raise
             try:
-                tmp = self.bakes.temp_path()
-                await self._write_checkpoint(m, tmp, "", memory_digest=True)
-                meta = BakeMeta.for_smolfile(key, smolfile, image, mounts, time.monotonic() - start)
-                try:
-                    await asyncio.to_thread(_finish_bake, tmp, final, meta.to_json())
-                except OSError as e:
-                    await asyncio.to_thread(shutil.rmtree, tmp, True)
-                    raise CheckpointFailedError(f"bake {key}: cannot move it into place: {e}") from None
+                await self._store_bake(m, key, smolfile, image, mounts, start, replace=True)
+            except OSError as e:
+                raise CheckpointFailedError(f"bake {key}: cannot move it into place: {e}") from None
             finally:
                 await self._destroy_quietly(m)
         finally:
             self._baking.discard(key)
-        self.bakes.forget(key)
         log.info("baked %s in %.1fs (%s, %d MiB)", key, time.monotonic() - start, image.name, smolfile.memory_mib)
         return self._bake_info(key)
 

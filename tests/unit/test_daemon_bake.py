@@ -333,8 +333,8 @@ async def test_a_failed_base_bake_leaves_the_machine_running_and_nothing_in_the_
 
 async def test_daemons_sharing_a_bake_store_restore_each_others_base(workdir: Path) -> None:
     shared = workdir / "shared-bakes"
-    text = smolfile_text(Env(None, None, workdir, None))  # type: ignore[arg-type]
     async with running_daemon(workdir, auto_bake=True, name="one", bakes=shared) as one:
+        text = smolfile_text(one)
         m = (await one.stub.CreateMachine(pb.CreateMachineRequest(smolfile=request(one, text)))).machine
         assert m.restored_from == "" and len(one.launcher.calls) == 1
         async with running_daemon(workdir, auto_bake=True, name="two", bakes=shared) as two:
