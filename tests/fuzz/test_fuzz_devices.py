@@ -21,7 +21,7 @@ from smold.devices.block.request import RequestError, RequestType, Status, parse
 from smold.devices.irq import CountingIrq
 from smold.devices.virtio.mmio import CONFIG_OFFSET, MmioTransport, Reg
 from smold.devices.virtio.queue import VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE, Descriptor, DescriptorChain
-from smold.devices.vsock.device import Vsock, VsockConnection, VsockHost
+from smold.devices.vsock.device import Vsock, VsockConnection, VsockError, VsockHost
 from smold.devices.vsock.packet import HEADER_SIZE, Header, Op, PacketError, parse_tx
 from smold.memory import GuestMemory
 
@@ -177,8 +177,11 @@ def test_vsock_device_survives_hostile_packets(packets: list, host_ops: list) ->
             if i < len(host_ops):
                 op, n, data = host_ops[i]
                 conns = dev.connections
-                if op == "connect":
+                if op == "connect" and len(conns) < 4:
                     dev.connect_to_guest(1024 + n)
+                elif op == "connect":   # full: refused to the host caller (the backend closes its client)
+                    with pytest.raises(VsockError, match="too many vsock connections"):
+                        dev.connect_to_guest(1024 + n)
                 elif conns:
                     conn = conns[n % len(conns)]
                     if op == "send" and not conn.closed:
