@@ -38,6 +38,17 @@ def _write(path: Path, text: str) -> None:
         raise CgroupError(f"cannot write {text.strip()!r} to {path}: {e.strerror or e}") from None
 
 
+PF_KTHREAD = 0x00200000   # include/linux/sched.h: the flags field (9th) of /proc/PID/stat
+
+
+def _kernel_thread(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return bool(int(stat.rsplit(")", 1)[1].split()[6]) & PF_KTHREAD)
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def unified(root: Path = ROOT) -> bool:
     """cgroup v2 is mounted at ``root`` (it has cgroup.controllers)."""
     return (root / "cgroup.controllers").exists()
@@ -145,11 +156,14 @@ class Cgroup:
         return 0
 
     def procs(self) -> list[int]:
+        """The user processes in the cgroup. Kernel threads are left out: on hardware KVM with cgroup v2 the
+        kernel attaches each VM's worker thread (``kvm-nx-lpage-recovery``, kvm_vm_create_worker_thread) to the
+        cgroup of the process that created the VM, where it lives until the VM's fd is closed."""
         out: set[int] = set()
         for d in self.dirs.values():
             with contextlib.suppress(OSError, ValueError):
                 out.update(int(x) for x in (d / "cgroup.procs").read_text().split())
-        return sorted(out)
+        return sorted(p for p in out if not _kernel_thread(p))
 
     def remove(self, timeout: float = 5.0) -> None:
         """Remove the (empty) cgroup directories; a cgroup still holding tasks is retried until ``timeout``."""

@@ -16,8 +16,15 @@ from typing import Any, TypeVar
 
 from smold.agent import AgentClient, ExecResult, connect_vsock_uds
 from smold.images.artifacts import Artifacts
+from smold.kvm import is_pvm
+from smold.kvm.cpuid import default_vcpus
 
 T = TypeVar("T")
+
+# The vCPUs of the tests' machines: the hardware-KVM default (2) in the KVM rig and on real hosts, 1 on PVM
+# hosts, where SMP under the CPL0 emulator is unreliable (docs/pvm-emulator.md). Every daemon module uses it, so
+# they share one base bake of the default image (tests/conftest.py).
+VM_CPUS = default_vcpus(is_pvm())
 
 
 def shared_bakes_args() -> list[str]:

@@ -1,6 +1,6 @@
 """smold pre-baked images end to end with a real microVM: one bake, then two creates restored from it.
 
-Makes one VM (cpus=1, 512 MiB) to bake the Smolfile: it boots, or restores the base bake of the default image
+Makes one VM (the default vCPUs, 512 MiB) to bake the Smolfile: it boots, or restores the base bake of the default image
 at that size when a module before it sharing the run's bake store (tests/conftest.py) made one; its setup
 command runs once, before the snapshot. Both machines created afterwards restore the bake instead of booting,
 each with its own hostname and machine-id, and exec works in them at once.
@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from microvm import VM_CPUS
 from test_daemon_fork_vm import artifacts, daemon, sh  # noqa: F401  (fixtures)
 
 from smold.api.v1 import smol_pb2 as pb
@@ -23,9 +24,9 @@ from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.kvm, pytest.mark.linux, pytest.mark.timeout(1800)]
 
-SMOLFILE = """
+SMOLFILE = f"""
 image = "default"
-cpus = 1
+cpus = {VM_CPUS}
 memory = "512M"
 setup = ["echo baked-$BAKE_ENV > /root/baked"]
 [env]

@@ -1,6 +1,6 @@
 """smold Fork end to end with a real microVM: one boot, three copy-on-write children restored from it.
 
-Makes one VM (cpus=1, 512 MiB: booted, or restored from the run's base bake of that size, tests/conftest.py);
+Makes one VM (the default vCPUs, 512 MiB: booted, or restored from the run's base bake of that size, tests/conftest.py);
 the children are restores (each well under a second of VMM work,
 then seconds per guest process start on an emulated-KVM host).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from microvm import shared_bakes_args
+from microvm import VM_CPUS, shared_bakes_args
 from test_daemon_vm import vmm_processes
 
 from smold.api.v1 import smol_pb2 as pb
@@ -28,9 +28,9 @@ from smold.images.artifacts import Artifacts, default_artifacts
 
 pytestmark = [pytest.mark.kvm, pytest.mark.linux, pytest.mark.timeout(1800)]
 
-SMOLFILE = """
+SMOLFILE = f"""
 image = "default"
-cpus = 1
+cpus = {VM_CPUS}
 memory = "512M"
 [timeouts]
 boot = 900

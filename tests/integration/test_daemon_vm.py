@@ -1,6 +1,6 @@
 """smold end to end with real microVMs: Run of both examples, supervision, kill -9, restart, destroy.
 
-Makes four VMs in all, never more than two at once (cpus=1, 512 MiB each): on an emulated-KVM (PVM) host
+Makes four VMs in all, never more than two at once (the default vCPUs, 512 MiB each): on an emulated-KVM (PVM) host
 one boot to agent-ready takes minutes and a whole host core, so the daemon boots at most the first and bakes it
 as the base every later one restores (in the run's shared bake store, tests/conftest.py).
 """
@@ -20,16 +20,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from microvm import shared_bakes_args
+from microvm import VM_CPUS, shared_bakes_args
 
 from smold.images.artifacts import Artifacts, default_artifacts
 
 pytestmark = [pytest.mark.kvm, pytest.mark.linux, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
-VM_SMOLFILE = """
+VM_SMOLFILE = f"""
 image = "default"
-cpus = 1
+cpus = {VM_CPUS}
 memory = "512M"
 [timeouts]
 boot = 900
@@ -185,7 +185,7 @@ def test_kill_9_restart_readopt_and_destroy(daemon: Daemon, workdir: Path) -> No
     for name in ("a", "b"):   # a line on each guest's serial console (a restored machine's has no boot lines)
         r = daemon.smolctl("exec", name, "--", "sh", "-c",
                            f"echo hello > /root/hello.txt; echo console-of-{name} > /dev/console; nproc; hostname")
-        assert (r.returncode, r.stdout.split()) == (0, [b"1", name.encode()]), r.stderr
+        assert (r.returncode, r.stdout.split()) == (0, [str(VM_CPUS).encode(), name.encode()]), r.stderr
     r = daemon.smolctl("verify", "b")
     assert r.returncode == 0 and r.stdout.startswith(b"PASS"), r.stdout
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from inspect_ai.util._sandbox.self_check import *  # noqa: F403
+from microvm import VM_CPUS
 from test_daemon_vm import Daemon, vmm_processes
 
 import smol
@@ -41,9 +42,9 @@ if not os.environ.get("SMOL_INSPECT_FULL"):
         del globals()[_name]
 
 # The size of the other daemon tests' machines: this one restores the base bake they share (tests/conftest.py).
-SMOLFILE = """
+SMOLFILE = f"""
 image = "default"
-cpus = 1
+cpus = {VM_CPUS}
 memory = "512M"
 [timeouts]
 boot = 900

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from microvm import VM_CPUS
 from test_daemon_fork_vm import artifacts, sh  # noqa: F401  (fixtures)
 from test_daemon_vm import Daemon, vmm_processes
 
@@ -49,9 +50,9 @@ pytestmark = [pytest.mark.kvm, pytest.mark.linux, pytest.mark.timeout(1800),
 
 MiB = 1 << 20
 MARGIN = 24 * MiB    # what the victim may still add once its limit is lowered
-SMOLFILE = """
+SMOLFILE = f"""
 image = "default"
-cpus = 1
+cpus = {VM_CPUS}
 memory = "256M"
 [timeouts]
 boot = 900
@@ -158,6 +159,13 @@ def test_vm_over_its_memory_limit_is_stopped_and_reported_while_its_neighbour_ru
     print(f"\nOOM after {t_oom:.0f}s with a {limit_mib} MiB limit: {reason}")
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "(gone)"
+
+
 def test_200_execs_across_4_vms_with_clients_leaving(jailed: Jailed) -> None:
     asyncio.run(load(jailed))
 
@@ -177,7 +185,7 @@ async def load(jailed: Jailed) -> None:
         for mid in ids:   # warm every path once before counting
             assert (await exec_all(stub, mid, ["true"], timeout=600))[1:] == (0, 1)
         vmms = {mid: Cgroup(mid, "smol").procs() for mid in ids}
-        assert all(len(p) == 1 for p in vmms.values()), vmms
+        assert all(len(p) == 1 for p in vmms.values()), {mid: [(p, cmdline(p)) for p in ps] for mid, ps in vmms.items()}
         await asyncio.sleep(1)
         daemon_fds = fd_count(jailed.daemon_pid)
         vmm_fds = {p[0]: fd_count(p[0]) for p in vmms.values()}

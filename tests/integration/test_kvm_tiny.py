@@ -18,7 +18,7 @@ from smold.kvm.structs import KVM_IRQCHIP_IOAPIC
 from smold.memory import GuestMemory
 from smold.vmm.vcpu import VcpuExit, VcpuThread, install_kick_handler
 
-pytestmark = pytest.mark.kvm
+pytestmark = [pytest.mark.kvm, pytest.mark.pvm_smoke]
 
 CODE_ADDR = 0x100000
 

@@ -1,6 +1,6 @@
 """Guest networking end to end with a real microVM: allowlist enforced, DNS policy, report, fork, teardown.
 
-Boots one VM (cpus=1, 512 MiB) behind an allowlist naming host A:8080 (test hosts A and B live in
+Boots one VM (the default vCPUs, 512 MiB) behind an allowlist naming host A:8080 (test hosts A and B live in
 namespaces this test creates; no outside address is ever used), reaches a server in the guest through an
 inbound port forward, then forks one child that must reach A with the same guest addresses from its own
 namespace, and whose copy of the server answers through a forward of its own. Needs the virtio-net device and the VMM's --net-*
@@ -15,6 +15,7 @@ import time
 import urllib.request
 
 import pytest
+from microvm import VM_CPUS
 from test_daemon_fork_vm import artifacts, daemon, sh  # noqa: F401 (fixtures)
 from test_net_host import HTTP_PORT, OTHER_PORT, world  # noqa: F401 (fixture)
 
@@ -74,7 +75,7 @@ def probe(stub: pb_grpc.SmolStub, machine: str, a: str, b: str) -> list[str]:
 def test_allowlist_in_a_real_guest(daemon: tuple[pb_grpc.SmolStub, object], world: dict[str, str]) -> None:  # noqa: F811
     stub, _ = daemon
     a, b = world["addr_a"], world["addr_b"]
-    text = f'image = "default"\ncpus = 1\nmemory = "512M"\n' \
+    text = f'image = "default"\ncpus = {VM_CPUS}\nmemory = "512M"\n' \
            f'network = {{ allow = ["{a}:{HTTP_PORT}"], forward = ["{GUEST_HTTP_PORT}"] }}\n' \
            "[timeouts]\nboot = 900\n"
     m = stub.CreateMachine(pb.CreateMachineRequest(smolfile=pb.Smolfile(toml=pb.SmolfileToml(text=text))),

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from microvm import VM_CPUS  # noqa: E402
 from oci_support import D, F, L, build_image, write_layout  # noqa: E402
 from test_daemon_vm import Daemon, vmm_processes  # noqa: E402
 from test_oci_registry import LocalRegistry  # noqa: E402
@@ -68,7 +69,7 @@ def test_pulled_image_without_python_boots_execs_and_verifies(workdir: Path) -> 
         sf_dir.mkdir()
         (sf_dir / "Smolfile.toml").write_text(f"""
 image = "{ref}"
-cpus = 1
+cpus = {VM_CPUS}
 memory = "512M"
 [timeouts]
 boot = 900

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from microvm import VM_CPUS
 from test_daemon_vm import Daemon, vmm_processes
 
 pytestmark = [pytest.mark.kvm, pytest.mark.linux, pytest.mark.timeout(1800)]
@@ -30,7 +31,7 @@ def test_run_task_on_a_vm() -> None:
                           dockerfile="FROM debian:bookworm\nWORKDIR /app\nENV EXPECTED=42\nCOPY seed.txt /app/\n",
                           files={"seed.txt": "seed\n"})
         (task / "task.toml").write_text("[agent]\ntimeout_sec = 300.0\n[verifier]\ntimeout_sec = 300.0\n"
-                                        "[environment]\nmemory_mb = 512\ncpus = 1\n")
+                                        f"[environment]\nmemory_mb = 512\ncpus = {VM_CPUS}\n")
         t0 = time.monotonic()
         res = daemon.smolctl("run-task", str(task), "--json")
         out = json.loads(res.stdout)
@@ -57,7 +58,7 @@ def test_harbor_trial_on_a_vm() -> None:
                           files={"seed.txt": "seed\n"},
                           dockerfile="FROM debian:bookworm\nWORKDIR /app\nENV EXPECTED=42\nCOPY seed.txt /app/\n")
         (task / "task.toml").write_text("[agent]\ntimeout_sec = 600.0\n[verifier]\ntimeout_sec = 600.0\n"
-                                        '[environment]\nmemory_mb = 512\ncpus = 1\nnetwork_mode = "no-network"\n'
+                                        f'[environment]\nmemory_mb = 512\ncpus = {VM_CPUS}\nnetwork_mode = "no-network"\n'
                                         "build_timeout_sec = 1500.0\n")
         t0 = time.monotonic()
         env = {**os.environ, "SMOL_SOCKET": str(daemon.socket), "HOME": str(d / "home"), "COLUMNS": "500",

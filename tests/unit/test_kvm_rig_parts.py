@@ -1,0 +1,82 @@
+"""The KVM rig's pure parts (scripts/kvm_rig.py): apt output parsing, the job's environment, arguments, QEMU argv."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import kvm_rig  # noqa: E402
+
+DEPENDS = """linux-image-amd64
+  Depends: linux-image-6.1.0-57-amd64
+"""
+SHOW = """Package: linux-image-6.1.0-57-amd64
+Version: 6.1.190-1
+SHA256: aaaa
+Description: old
+
+Package: linux-image-6.1.0-57-amd64
+Version: 6.1.192-3
+SHA256: bbbb
+Description: Linux 6.1
+ SHA256: not-a-field (a continuation line)
+"""
+POLICY = """linux-image-6.1.0-57-amd64:
+  Installed: (none)
+  Candidate: 6.1.192-3
+"""
+
+
+def test_apt_parsing() -> None:
+    assert kvm_rig.parse_depends(DEPENDS) == "linux-image-6.1.0-57-amd64"
+    assert kvm_rig.candidate_version(POLICY) == "6.1.192-3"
+    assert kvm_rig.parse_show(SHOW, "6.1.192-3") == "bbbb"
+    assert kvm_rig.parse_show(SHOW, "6.1.190-1") == "aaaa"
+    with pytest.raises(kvm_rig.RigError, match="no SHA256"):
+        kvm_rig.parse_show(SHOW, "9.9")
+    with pytest.raises(kvm_rig.RigError, match="apt-get update"):
+        kvm_rig.parse_depends("linux-image-amd64\n")
+    with pytest.raises(kvm_rig.RigError, match="candidate"):
+        kvm_rig.candidate_version("x:\n  Candidate: (none)\n")
+
+
+def test_job_env_passes_ci_and_the_projects_variables_only() -> None:
+    env = kvm_rig.job_env(["A=b=c"], {"CI": "true", "SMOL_X": "1", "PYTEST_ADDOPTS": "-x", "HOME": "/root",
+                                      "SSH_AUTH_SOCK": "/tmp/s", "AWS_SECRET_ACCESS_KEY": "k"})
+    assert env == {"CI": "true", "SMOL_X": "1", "PYTEST_ADDOPTS": "-x", "A": "b=c"}
+    with pytest.raises(kvm_rig.RigError, match="NAME=VALUE"):
+        kvm_rig.job_env(["novalue"], {})
+
+
+def test_arguments() -> None:
+    args = kvm_rig.parse_args(["--cpus", "2", "--", "pytest", "-q", "--x"])
+    assert args.command == ["pytest", "-q", "--x"] and args.cpus == 2
+    with pytest.raises(SystemExit):
+        kvm_rig.parse_args(["--cpus", "2"])
+
+
+def test_qemu_shares_the_host_root_read_only_and_has_no_network(tmp_path: Path) -> None:
+    tree = kvm_rig.KernelTree("6.1.0-57-amd64", tmp_path / "vmlinuz", tmp_path / "modules")
+    argv = kvm_rig.qemu_argv("qemu", tree, tmp_path / "initrd", tmp_path / "job", 2, 4096)
+    joined = " ".join(argv)
+    assert "-accel tcg,thread=multi" in joined and "-cpu max" in joined and "-smp 2" in joined
+    assert "path=/,security_model=none,readonly=on" in joined
+    assert f"path={tmp_path / 'job'},security_model=none" in joined
+    assert argv[argv.index("-nic") + 1] == "none"
+    assert "-no-reboot" in argv
+
+
+def test_find_tree_picks_a_kernel_with_kvm_modules(tmp_path: Path) -> None:
+    assert kvm_rig.find_tree(tmp_path) is None
+    (tmp_path / "boot").mkdir()
+    (tmp_path / "boot" / "vmlinuz-1.0-amd64").write_bytes(b"k")
+    (tmp_path / "boot" / "vmlinuz-0.9-amd64").write_bytes(b"k")
+    assert kvm_rig.find_tree(tmp_path) is None                  # no module tree with KVM
+    (tmp_path / "lib/modules/1.0-amd64/kernel/arch/x86/kvm").mkdir(parents=True)
+    tree = kvm_rig.find_tree(tmp_path)
+    assert tree is not None and tree.version == "1.0-amd64"
+    with pytest.raises(kvm_rig.RigError, match="modules.dep"):
+        tree.check()
