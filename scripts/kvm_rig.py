@@ -349,6 +349,7 @@ def job_env(extra: list[str], environ: dict[str, str]) -> dict[str, str]:
             raise RigError(f"--env {item!r}: expected NAME=VALUE")
         k, v = item.split("=", 1)
         env[k] = v
+    env["SMOL_KVM_RIG"] = "1"      # tests that assert what only the rig guarantees (cgroup v2, the host template)
     return env
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.kvm, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.kvm, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parents[2]
 LOAD = 0x100000
@@ -60,7 +60,10 @@ def test_console_flood_is_rotated_within_the_cap(tmp_path: Path) -> None:
             break
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=20)
+    t_stop = time.monotonic()
+    # Generous: in the KVM rig, beside another worker's VMs, a flooding guest's VMM took over 20 s to stop.
+    _, stderr = proc.communicate(timeout=90)
+    print(f"\nSIGTERM to exit of a flooding VMM: {time.monotonic() - t_stop:.1f} s")
     # Stopped by our signal, killed by nobody (not by seccomp): every console write went through the filter.
     exit_info = json.loads((state / "exit.json").read_text())
     assert exit_info["kind"] == "stopped" and "SIGTERM" in exit_info["detail"], (exit_info, stderr)

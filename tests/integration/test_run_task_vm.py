@@ -34,6 +34,7 @@ def test_run_task_on_a_vm() -> None:
                                         f"[environment]\nmemory_mb = 512\ncpus = {VM_CPUS}\n")
         t0 = time.monotonic()
         res = daemon.smolctl("run-task", str(task), "--json")
+        assert res.stdout.strip(), f"run-task printed nothing (exit {res.returncode}): {res.stderr.decode()[-3000:]}"
         out = json.loads(res.stdout)
         print(f"\nrun-task on a VM: {time.monotonic() - t0:.1f}s; steps: "
               + ", ".join(f"{s['name']} {s['duration_s']}s" for s in out["steps"]))

@@ -46,7 +46,7 @@ def test_apt_parsing() -> None:
 def test_job_env_passes_ci_and_the_projects_variables_only() -> None:
     env = kvm_rig.job_env(["A=b=c"], {"CI": "true", "SMOL_X": "1", "PYTEST_ADDOPTS": "-x", "HOME": "/root",
                                       "SSH_AUTH_SOCK": "/tmp/s", "AWS_SECRET_ACCESS_KEY": "k"})
-    assert env == {"CI": "true", "SMOL_X": "1", "PYTEST_ADDOPTS": "-x", "A": "b=c"}
+    assert env == {"CI": "true", "SMOL_X": "1", "PYTEST_ADDOPTS": "-x", "A": "b=c", "SMOL_KVM_RIG": "1"}
     with pytest.raises(kvm_rig.RigError, match="NAME=VALUE"):
         kvm_rig.job_env(["novalue"], {})
 
