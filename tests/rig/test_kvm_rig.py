@@ -18,23 +18,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "unit"))
+from daemon_support import processes_mentioning  # noqa: E402
+
 RIG = [sys.executable, str(REPO / "scripts" / "kvm_rig.py")]
 
 pytestmark = [pytest.mark.timeout(600)]
 
 
-def qemu_processes(marker: str) -> list[int]:
-    """Live processes whose command line mentions ``marker`` (our job directory's parent)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if marker.encode() in cmd and b"qemu" in cmd:
-                pids.append(int(entry))
-    return pids
+def qemu_processes(tmp_path: Path) -> list[int]:
+    """Live QEMU processes of this test's rig (their command line names the job directory under tmp_path/tmp)."""
+    return processes_mentioning(str(tmp_path / "tmp"))
 
 
 def rig(tmp_path: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -45,7 +39,7 @@ def rig(tmp_path: Path, *args: str, timeout: float = 300) -> subprocess.Complete
 
 
 def assert_clean(tmp_path: Path) -> None:
-    assert qemu_processes(str(tmp_path)) == []
+    assert qemu_processes(tmp_path) == []
     assert list((tmp_path / "tmp").iterdir()) == [], "the rig's job directory was removed"
 
 
@@ -116,7 +110,7 @@ def test_interrupt_powers_the_rig_off(tmp_path: Path, sig: int) -> None:
         if line.strip() == "running" or not line:
             break
     assert line.strip() == "running", "the command started"
-    assert qemu_processes(str(tmp_path)), "QEMU is running"
+    assert qemu_processes(tmp_path), "QEMU is running"
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, err
