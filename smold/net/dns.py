@@ -74,7 +74,13 @@ def _label_text(raw: bytes) -> str:
 
 def read_name(msg: bytes, offset: int) -> tuple[str, int]:
     """The (escaped, lower-case) name at ``offset`` and the offset just past it in the original stream."""
-    labels: list[str] = []
+    labels, end = read_labels(msg, offset)
+    return ".".join(_label_text(label) for label in labels), end
+
+
+def read_labels(msg: bytes, offset: int) -> tuple[list[bytes], int]:
+    """The raw labels of the name at ``offset`` (compression pointers followed) and the offset just past it."""
+    labels: list[bytes] = []
     length = 0
     pos = offset
     end: int | None = None
@@ -97,13 +103,13 @@ def read_name(msg: bytes, offset: int) -> tuple[str, int]:
         if n & 0xC0:
             raise DnsFormatError(f"unsupported label type 0x{n & 0xC0:02x}")
         if n == 0:
-            return ".".join(labels), (end if end is not None else pos + 1)
+            return labels, (end if end is not None else pos + 1)
         if pos + 1 + n > len(msg):
             raise DnsFormatError("label runs past the end of the message")
         length += n + 1
         if length > MAX_NAME:
             raise DnsFormatError("name longer than 255 octets")
-        labels.append(_label_text(msg[pos + 1:pos + 1 + n]))
+        labels.append(msg[pos + 1:pos + 1 + n])
         pos += 1 + n
 
 
@@ -145,7 +151,13 @@ def build_response(msg: bytes, query: Query, rcode: int, answers: tuple[ipaddres
     opcode = query.opcode
     flags = FLAG_QR | (opcode << 11) | (query.flags & FLAG_RD) | FLAG_RA | (rcode & 0xF)
     q = query.question
-    question = msg[HEADER.size:q.end] if q is not None else b""
+    question = b""
+    if q is not None:
+        # The question goes back uncompressed: a pointer in the query refers to the query's own bytes (its
+        # header included, which differs in the response), so copying it would make the echoed name point at
+        # our flags. A guest's fuzzer found this (tests/unit/test_net_dns.py).
+        labels, name_end = read_labels(msg, HEADER.size)
+        question = b"".join(bytes([len(label)]) + label for label in labels) + b"\0" + msg[name_end:q.end]
     records = [struct.pack("!HHHIH", 0xC00C, TYPE_A, CLASS_IN, ttl, 4) + a.packed for a in answers]
     room = limit - HEADER.size - len(question)
     fitting = []

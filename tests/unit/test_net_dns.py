@@ -121,6 +121,18 @@ def test_fuzzed_questions_after_a_valid_header_never_raise(tail: bytes) -> None:
     assert out is not None and dns.parse_response(out).id == 1
 
 
+def test_a_compressed_question_is_echoed_uncompressed() -> None:
+    # Found by the fuzz test above: the question's name is a pointer into the query's header (offset 1). Copied
+    # verbatim, it pointed at the response's flags (0x81: an unsupported label type) instead.
+    msg = struct.pack("!HHHHHH", 1, 0x0100, 1, 0, 0, 0) + b"\xc0\x01\x00\x01\x00\x01"
+    out = ask(make_policy(), msg)
+    assert out is not None
+    resp = dns.parse_response(out)
+    assert resp.id == 1
+    assert out[12:19] == b"\x01\x01\x00" + b"\x00\x01\x00\x01"   # the label, the root, QTYPE A, QCLASS IN
+    assert dns.read_name(out, 12)[0] == dns.read_name(msg, 12)[0] == "\\001"
+
+
 def test_many_answers_are_truncated_to_fit_udp() -> None:
     many = tuple(A(f"10.0.{i // 256}.{i % 256}") for i in range(100))
     p = DnsPolicy({"big.test": many}, lambda n: ())
