@@ -39,16 +39,15 @@ def kvm_usable() -> bool:
     return os.path.exists("/dev/kvm") and os.access("/dev/kvm", os.R_OK | os.W_OK)
 
 
-# Seconds each integration module took in the KVM rig, where CI runs them (junit times of a `.ci/run`, 2 workers,
-# 2026-12-04; docs/kvm-rig.md). The modules run longest first, so that under `-n 2 --dist loadfile` the run does
-# not end with one worker busy on a long module while the other idles; a module not listed runs after these.
-# The first daemon module that needs the default image at 512 MiB boots it and bakes its base; the later ones
-# restore it (tests/integration/microvm.py: VM_CPUS keeps their sizes equal).
+# Module order: longest first, so that under `-n 2 --dist loadfile` the run does not end with one worker busy on
+# a long module while the other idles; a module not listed runs after these. The seconds are those measured on
+# the 2-core PVM host (2026-12-03); this order is also the one CI's VM tier ran green with in the KVM rig, where
+# the modules take 30-130 s each (docs/performance.md). The first daemon module that needs the default image at
+# 512 MiB boots it and bakes its base; the later ones restore it (microvm.VM_CPUS keeps their sizes equal).
 MODULE_SECONDS = {
-    "test_daemon_vm.py": 132, "test_jail_oom_vm.py": 128, "test_net_policy_vm.py": 124, "test_run_task_vm.py": 115,
-    "test_daemon_bake_vm.py": 79, "test_oci_vm.py": 62, "test_inspect_vm.py": 62, "test_snapshot.py": 61,
-    "test_fork_memory.py": 51, "test_daemon_fork_vm.py": 46, "test_net_host.py": 42, "test_console_flood_vm.py": 40,
-    "test_net_guest.py": 34, "test_linux_guest.py": 28, "test_net_tap.py": 3,
+    "test_jail_oom_vm.py": 1070, "test_net_guest.py": 820, "test_linux_guest.py": 610, "test_run_task_vm.py": 550,
+    "test_daemon_vm.py": 500, "test_inspect_vm.py": 420, "test_snapshot.py": 370, "test_net_policy_vm.py": 320,
+    "test_oci_vm.py": 130, "test_net_host.py": 80, "test_daemon_bake_vm.py": 60, "test_daemon_fork_vm.py": 60,
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import selectors
@@ -82,6 +83,9 @@ class Microvm:
                             if line.startswith(b"READY ") and line.endswith(b"}"):
                                 self.ready = json.loads(line[6:])
                                 return self.ready
+            if not sel.get_map():   # both pipes closed: the VMM is gone; its status (a signal?) says how
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=10)
             raise MicrovmError(f"VMM not ready (exit {self.proc.poll()}); stderr:\n"
                                f"{self.stderr.decode(errors='replace')[-4000:]}\nconsole:\n{self.console_tail()}")
         finally:
