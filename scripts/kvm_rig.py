@@ -46,6 +46,9 @@ import time
 from pathlib import Path
 from typing import IO
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from smold.images.cache import default_cache_root  # noqa: E402  (stdlib only: runs without the venv)
+
 EXIT_TIMEOUT = 124
 EXIT_RIG = 125
 KERNEL_META = "linux-image-amd64"
@@ -59,10 +62,6 @@ PASSED_ENV_NAMES = ("CI", "TERM", "LANG", "LC_ALL", "TZ", "HYPOTHESIS_PROFILE")
 
 class RigError(Exception):
     """The rig could not be built, booted or run (as opposed to the command failing inside it)."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SMOL_CACHE_DIR") or Path.home() / ".cache" / "smol")
 
 
 def log(msg: str) -> None:
@@ -178,7 +177,7 @@ def kernel_tree(args: argparse.Namespace) -> KernelTree:
         if tree is None:
             raise RigError(f"--kernel-root {args.kernel_root}: no boot/vmlinuz-V with lib/modules/V/kernel/arch/x86/kvm")
     else:
-        tree = kernel_from_apt(cache_dir())
+        tree = kernel_from_apt(default_cache_root())
     tree.check()
     return tree
 
@@ -323,7 +322,6 @@ def build_initramfs(tree: KernelTree, busybox: Path, cache: Path) -> Path:
         if cpio.returncode != 0:
             raise RigError(f"cpio failed: {cpio.stderr.decode(errors='replace')}")
         part = Path(tmp) / "initramfs.cpio.gz"
-
         part.write_bytes(gzip.compress(cpio.stdout, compresslevel=1))
         os.replace(part, out)
     return out
@@ -362,8 +360,7 @@ def default_memory_mib() -> int:
     return max(4096, min(16384, total // 2))
 
 
-def qemu_argv(qemu: str, tree: KernelTree, initramfs: Path, jobdir: Path, cpus: int, memory_mib: int,
-              share_root: str = "/") -> list[str]:
+def qemu_argv(qemu: str, tree: KernelTree, initramfs: Path, jobdir: Path, cpus: int, memory_mib: int) -> list[str]:
     cmdline = ("console=ttyS0 panic=-1 loglevel=4 mitigations=off random.trust_cpu=on "
                "systemd.unified_cgroup_hierarchy=1 rdinit=/init")
     return [qemu, "-accel", "tcg,thread=multi", "-cpu", "max", "-smp", str(cpus),
@@ -371,7 +368,7 @@ def qemu_argv(qemu: str, tree: KernelTree, initramfs: Path, jobdir: Path, cpus: 
             "-kernel", str(tree.vmlinuz), "-initrd", str(initramfs), "-append", cmdline,
             "-serial", f"file:{jobdir / 'console.log'}", "-monitor", "none",
             "-device", "virtio-rng-pci",
-            "-fsdev", f"local,id=hostroot,path={share_root},security_model=none,readonly=on,multidevs=remap",
+            "-fsdev", "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap",
             "-device", "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot",
             "-fsdev", f"local,id=rigjob,path={jobdir},security_model=none",
             "-device", "virtio-9p-pci,fsdev=rigjob,mount_tag=rigjob"]
@@ -403,6 +400,11 @@ class Rig:
         except OSError:
             return "(no process list)"
 
+    def diagnostics(self) -> str:
+        """What a failed or timed-out run shows: the console's tail and the last process list."""
+        return (f"--- rig console (tail) ---\n{self.console_tail()}\n"
+                f"--- rig processes (last list) ---\n{self.processes()}")
+
     def prepare(self) -> list[str]:
         qemu = shutil.which(self.args.qemu) or self.args.qemu
         if not os.path.exists(qemu):
@@ -411,7 +413,7 @@ class Rig:
         if not busybox.is_file():
             raise RigError(f"{busybox} is missing (apt-get install busybox-static)")
         tree = kernel_tree(self.args)
-        initramfs = build_initramfs(tree, busybox, cache_dir())
+        initramfs = build_initramfs(tree, busybox, default_cache_root())
         kvm_load = "false" if self.args.break_kvm else "modprobe kvm_amd"
         init = (RIG_INIT.replace("@MODULES@", str(tree.modules)).replace("@KVER@", tree.version)
                 .replace("@KVM_LOAD@", kvm_load))
@@ -444,8 +446,10 @@ class Rig:
     def run(self) -> int:
         argv = self.prepare()
         started = time.time()
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        # QEMU's own messages go to a file: a pipe read only at the end could fill up and stall QEMU.
+        with open(self.jobdir / "qemu.log", "wb") as qemu_log:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=qemu_log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
         deadline = started + self.args.timeout if self.args.timeout else None
         while True:
             self.pump()
@@ -459,12 +463,11 @@ class Rig:
                                f"(hang timeout {self.args.hang_timeout} s)")
             if deadline is not None and time.time() > deadline:
                 self.pump()
-                log(f"timed out after {self.args.timeout} s; console tail:\n{self.console_tail()}\n"
-                    f"--- rig processes (last list) ---\n{self.processes()}")
+                log(f"timed out after {self.args.timeout} s\n{self.diagnostics()}")
                 return EXIT_TIMEOUT
             time.sleep(0.5)
         self.pump()
-        qemu_out = self.proc.stdout.read().decode(errors="replace") if self.proc.stdout else ""
+        qemu_out = (self.jobdir / "qemu.log").read_bytes().decode(errors="replace")
         err = self.jobdir / "rig-error"
         if err.exists():
             raise RigError(err.read_text().strip())
@@ -551,8 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return rig.run()
     except RigError as e:
-        log(f"{e}\n--- rig console (tail) ---\n{rig.console_tail()}\n"
-            f"--- rig processes (last list) ---\n{rig.processes()}")
+        log(f"{e}\n{rig.diagnostics()}")
         return EXIT_RIG
     except KeyboardInterrupt:
         log("interrupted; powering the rig off")
