@@ -245,6 +245,11 @@ python3 - <<'EOF' || rigfail "job.json: bad job description"
 import json, os, shlex
 job = json.load(open("/run/rig/job.json"))
 with open("/run/rig/job.sh", "w") as f:
+    # --share: each directory mounted read-write over the overlay at its host path, written through (cache=none)
+    for i, path in enumerate(job["shares"]):
+        f.write("mkdir -p %s && mount -t 9p -o trans=virtio,version=9p2000.L,cache=none,msize=@MSIZE@ share%d %s"
+                " || { echo kvm-rig: mounting the share failed: %s; exit 125; }\n"
+                % (shlex.quote(path), i, shlex.quote(path), shlex.quote(path)))
     f.write("cd %s || exit 125\n" % shlex.quote(job["cwd"]))
     for k, v in job["env"].items():
         f.write("export %s=%s\n" % (k, shlex.quote(v)))
@@ -337,6 +342,7 @@ class Job:
     cwd: str
     env: dict[str, str]
     files: list[str]               # relative to cwd (or absolute): copied back to the same path here
+    shares: list[str] = dataclasses.field(default_factory=list)   # host directories, read-write at the same path
 
 
 def job_env(extra: list[str], environ: dict[str, str]) -> dict[str, str]:
@@ -360,7 +366,8 @@ def default_memory_mib() -> int:
     return max(4096, min(16384, total // 2))
 
 
-def qemu_argv(qemu: str, tree: KernelTree, initramfs: Path, jobdir: Path, cpus: int, memory_mib: int) -> list[str]:
+def qemu_argv(qemu: str, tree: KernelTree, initramfs: Path, jobdir: Path, cpus: int, memory_mib: int,
+              shares: list[str] | tuple[str, ...] = ()) -> list[str]:
     cmdline = ("console=ttyS0 panic=-1 loglevel=4 mitigations=off random.trust_cpu=on "
                "systemd.unified_cgroup_hierarchy=1 rdinit=/init")
     return [qemu, "-accel", "tcg,thread=multi", "-cpu", "max", "-smp", str(cpus),
@@ -371,7 +378,10 @@ def qemu_argv(qemu: str, tree: KernelTree, initramfs: Path, jobdir: Path, cpus: 
             "-fsdev", "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap",
             "-device", "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot",
             "-fsdev", f"local,id=rigjob,path={jobdir},security_model=none",
-            "-device", "virtio-9p-pci,fsdev=rigjob,mount_tag=rigjob"]
+            "-device", "virtio-9p-pci,fsdev=rigjob,mount_tag=rigjob",
+            *[arg for i, path in enumerate(shares)
+              for arg in ("-fsdev", f"local,id=share{i},path={path},security_model=none",
+                          "-device", f"virtio-9p-pci,fsdev=share{i},mount_tag=share{i}")]]
 
 
 class Rig:
@@ -416,12 +426,12 @@ class Rig:
         initramfs = build_initramfs(tree, busybox, default_cache_root())
         kvm_load = "false" if self.args.break_kvm else "modprobe kvm_amd"
         init = (RIG_INIT.replace("@MODULES@", str(tree.modules)).replace("@KVER@", tree.version)
-                .replace("@KVM_LOAD@", kvm_load))
+                .replace("@KVM_LOAD@", kvm_load).replace("@MSIZE@", str(MSIZE)))
         (self.jobdir / "init").write_text(init)
         (self.jobdir / "init").chmod(0o755)
         (self.jobdir / "job.json").write_text(json.dumps(dataclasses.asdict(self.job)))
         (self.jobdir / "output").touch()
-        return qemu_argv(qemu, tree, initramfs, self.jobdir, self.args.cpus, self.args.memory)
+        return qemu_argv(qemu, tree, initramfs, self.jobdir, self.args.cpus, self.args.memory, self.job.shares)
 
     def pump(self) -> None:
         """Copy what the command wrote since the last call to our output."""
@@ -522,6 +532,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--boot-timeout", type=float, default=300, help="seconds for the rig to start the command")
     p.add_argument("--hang-timeout", type=float, default=240, help="seconds without a heartbeat before giving up")
     p.add_argument("--keep-console", metavar="FILE", help="save the rig's serial console here")
+    p.add_argument("--share", action="append", default=[], metavar="DIR",
+                   help="a host directory (made if missing) the command sees read-write at the same path; what it "
+                        "writes there reaches this host as it is written and stays if the rig dies")
     p.add_argument("--qemu", default="qemu-system-x86_64")
     p.add_argument("--busybox", default="/bin/busybox")
     p.add_argument("--kernel-root", help="use boot/vmlinuz-V and lib/modules/V under this root instead of apt's")
@@ -535,11 +548,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def share_paths(dirs: list[str], cwd: str) -> list[str]:
+    """--share directories as absolute paths (relative ones from --cwd), each made if missing; a path QEMU's
+    -fsdev option syntax cannot carry (a comma) is refused."""
+    paths = []
+    for d in dirs:
+        path = os.path.normpath(os.path.join(cwd, d))
+        if "," in path or path == "/":
+            raise RigError(f"--share {d!r}: a directory other than / whose path has no comma")
+        os.makedirs(path, exist_ok=True)
+        paths.append(path)
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        job = Job(argv=args.command, cwd=os.path.abspath(args.cwd), env=job_env(args.env, dict(os.environ)),
-                  files=args.bring_back)
+        cwd = os.path.abspath(args.cwd)
+        job = Job(argv=args.command, cwd=cwd, env=job_env(args.env, dict(os.environ)),
+                  files=args.bring_back, shares=share_paths(args.share, cwd))
     except RigError as e:
         log(str(e))
         return EXIT_RIG

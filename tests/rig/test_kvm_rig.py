@@ -8,6 +8,7 @@ no job directory), also when the rig is interrupted.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 from daemon_support import processes_mentioning  # noqa: E402
+from vm_tier_support import TESTS, VM_TIER, write_suite  # noqa: E402
 
 RIG = [sys.executable, str(REPO / "scripts" / "kvm_rig.py")]
 
@@ -50,9 +52,9 @@ def test_output_status_cwd_env_files_and_real_kvm(tmp_path: Path) -> None:
     script = ("echo cwd=$(pwd); echo env=$SMOL_RIG_PROBE/$EXTRA; cat input.txt; echo cpus=$(nproc); "
               "echo cgroup=$(stat -fc %T /sys/fs/cgroup); ls -l /dev/kvm; "
               "python3 -c 'import fcntl,os; fd=os.open(\"/dev/kvm\", os.O_RDWR); print(\"api\", fcntl.ioctl(fd, 0xAE00))'; "
-              "mkdir -p out; echo result > out/r.txt; echo to-stderr >&2; exit 7")
+              "mkdir -p out; echo result > out/r.txt; echo live > shared/live.txt; echo to-stderr >&2; exit 7")
     r = rig(tmp_path, "--cwd", str(work), "--cpus", "2", "--env", "EXTRA=x y", "--bring-back", "out/r.txt",
-            "--", "sh", "-c", script)
+            "--share", "shared", "--", "sh", "-c", script)
     assert r.returncode == 7, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert f"cwd={work}" in lines
@@ -64,6 +66,7 @@ def test_output_status_cwd_env_files_and_real_kvm(tmp_path: Path) -> None:
     assert any(ln.startswith("crw-rw-rw-") for ln in lines)
     assert "Nested Paging enabled" in r.stdout            # kvm_amd with NPT (the rig's banner line)
     assert (work / "out" / "r.txt").read_text() == "result\n"
+    assert (work / "shared" / "live.txt").read_text() == "live\n"     # --share: written through to this host
     assert_clean(tmp_path)
 
 
@@ -115,4 +118,25 @@ def test_interrupt_powers_the_rig_off(tmp_path: Path, sig: int) -> None:
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, err
     assert "interrupted" in err
+    assert_clean(tmp_path)
+
+
+def test_vm_tier_lists_what_finished_when_the_rig_panics_and_runs_only_the_rest_in_a_fresh_rig(tmp_path: Path) -> None:
+    """CI's VM tier runner (scripts/vm_tier.py) with the real rig: a test panics the rig's kernel (sysrq c) the
+    first time; the tests that finished before keep their outcomes, and a second rig runs only the others."""
+    suite = write_suite(tmp_path / "suite")
+    out = tmp_path / "out"
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "SMOL_TIER_MARK": str(out / "mark"), "SMOL_TIER_FAIL": "0"}
+    r = subprocess.run([*VM_TIER, "--out", str(out), "--rig-arg=--memory=2048", "--", sys.executable, "-m",
+                        "pytest", "-q", "-p", "no:cacheprovider", *TESTS],
+                       cwd=suite, env=env, capture_output=True, text=True, timeout=900)
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text
+    assert "Kernel panic" in (out / "rig-console-1.log").read_text(errors="replace")   # the rig really died
+    assert "the KVM rig failed (status 125, above) in try 1, after 2 finished tests" in text
+    assert "passed  test_tier.py::test_first" in text and "not finished (2):" in text
+    second = [json.loads(line) for line in (out / "vm-tier-try-2.jsonl").read_text().splitlines()]
+    assert [d["nodeid"] for d in second if d.get("when") == "setup"] == TESTS[2:]
+    assert "4 passed" in text.split("summary of every try")[1]
     assert_clean(tmp_path)
