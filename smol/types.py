@@ -143,6 +143,7 @@ class CheckResult:
     detail: str
     timed_out: bool
     duration_ms: int
+    error: bool = False          # the check could not be decided (guest protocol error, harness timeout)
 
 
 @dataclass(frozen=True)
@@ -154,16 +155,20 @@ class VerifyResult:
     image_digest: str = ""
     smolfile_digest: str = ""
     duration_ms: int = 0
+    outcome: str = ""            # "pass", "fail" or "verifier_error" (docs/verifier.md, "Outcomes")
+    outcome_detail: str = ""     # one line: why
 
     @classmethod
     def from_proto(cls, r: pb.VerifyResult) -> VerifyResult:
         checks = [CheckResult(name=c.name, kind=c.kind, passed=c.passed,
                               exit_code=c.evidence.exit_code if c.evidence.HasField("exit_code") else None,
                               output_tail=c.evidence.output_tail, detail=c.evidence.detail,
-                              timed_out=c.evidence.timed_out, duration_ms=c.evidence.duration_ms)
+                              timed_out=c.evidence.timed_out, duration_ms=c.evidence.duration_ms, error=c.error)
                   for c in r.checks]
+        outcome = {pb.OUTCOME_PASS: "pass", pb.OUTCOME_FAIL: "fail",
+                   pb.OUTCOME_VERIFIER_ERROR: "verifier_error"}.get(r.outcome, "")
         return cls(passed=r.passed, checks=checks, image_digest=r.image_digest, smolfile_digest=r.smolfile_digest,
-                   duration_ms=r.duration_ms)
+                   duration_ms=r.duration_ms, outcome=outcome, outcome_detail=r.outcome_detail)
 
 
 @dataclass(frozen=True)

@@ -103,30 +103,44 @@ def _evidence_line(ev: pb.Evidence) -> str:
     return "  ".join(bits)
 
 
+def verdict(result: pb.VerifyResult) -> str:
+    """PASS, FAIL, or VERIFIER_ERROR when a check could not be decided (docs/verifier.md, "Outcomes")."""
+    if result.outcome == pb.OUTCOME_VERIFIER_ERROR:
+        return "VERIFIER_ERROR"
+    return "PASS" if result.passed else "FAIL"
+
+
+def verdict_exit(result: pb.VerifyResult) -> int:
+    """smolctl's exit status for a verdict: 0 pass, 1 fail, 2 verifier error (as for any other error)."""
+    if result.passed:
+        return 0
+    return 2 if result.outcome == pb.OUTCOME_VERIFIER_ERROR else 1
+
+
 def verify_result(result: pb.VerifyResult, *, verbose: bool = False) -> list[str]:
     lines = ["checks:"]
     if not result.checks:
         lines.append("  (no checks ran)")
     width = max((len(c.name) for c in result.checks), default=0)
     for c in result.checks:
-        mark = "pass" if c.passed else "FAIL"
+        mark = "pass" if c.passed else "ERROR" if c.error else "FAIL"
         lines.append(f"  {mark}  {c.name.ljust(width)}  {_evidence_line(c.evidence)}")
         if (not c.passed or verbose) and c.evidence.output_tail.strip():
             lines += _indent_tail(c.evidence.output_tail, "        ")
+    if result.outcome_detail and not result.passed:
+        lines.append(f"{verdict(result).lower()}: {result.outcome_detail}")
     lines.append(f"image {result.image_digest or '-'}  smolfile {result.smolfile_digest or '-'}")
     return lines
 
 
 def verify_summary(result: pb.VerifyResult) -> str:
     passed = sum(c.passed for c in result.checks)
-    verdict = "PASS" if result.passed else "FAIL"
-    return f"{verdict}  {passed}/{len(result.checks)} checks passed ({result.duration_ms / 1000:.2f}s)"
+    return f"{verdict(result)}  {passed}/{len(result.checks)} checks passed ({result.duration_ms / 1000:.2f}s)"
 
 
 def run_result(resp: pb.RunResponse, *, verbose: bool = False) -> str:
-    verdict = "PASS" if resp.result.passed else "FAIL"
     passed = sum(c.passed for c in resp.result.checks)
-    lines = [f"{verdict}  {passed}/{len(resp.result.checks)} checks passed  "
+    lines = [f"{verdict(resp.result)}  {passed}/{len(resp.result.checks)} checks passed  "
              f"(machine {resp.machine_id or '-'}, {resp.duration_ms / 1000:.1f}s)"]
     if resp.error:
         lines.append(f"stopped before the verifier: {resp.error}")

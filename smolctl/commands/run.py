@@ -8,7 +8,7 @@ from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
 from ..client import smolfile_message
-from ..output import Progress, run_result, to_json
+from ..output import Progress, run_result, to_json, verdict_exit
 
 NAME = "run"
 HELP = "run a task in a fresh machine and print the verifier's result (exit 0 pass, 1 fail)"
@@ -25,4 +25,4 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
     with Progress(f"running {args.smolfile}"):
         resp = stub.Run(pb.RunRequest(smolfile=smolfile_message(args.smolfile), name=args.name))
     print(to_json(resp) if args.json else run_result(resp, verbose=args.verbose))
-    return 0 if resp.result.passed else 1
+    return verdict_exit(resp.result)

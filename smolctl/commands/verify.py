@@ -7,7 +7,7 @@ import argparse
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
-from ..output import to_json, verify_result, verify_summary
+from ..output import to_json, verdict_exit, verify_result, verify_summary
 
 NAME = "verify"
 HELP = "run a machine's verifier against its current state (exit 0 pass, 1 fail)"
@@ -26,4 +26,4 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
     else:
         print(verify_summary(result))
         print("\n".join(verify_result(result, verbose=args.verbose)))
-    return 0 if result.passed else 1
+    return verdict_exit(result)

@@ -22,6 +22,35 @@ from .errors import (
 )
 
 T = P.MsgType
+_MISSING = object()
+
+
+def _decode(payload: bytes) -> dict[str, Any]:
+    """A control payload from the guest as a JSON object; AgentProtocolError for anything else (the guest is
+    hostile: a malformed frame fails the request, never the caller with a stray ValueError)."""
+    try:
+        return P.decode_json(payload)
+    except P.ProtocolError as e:
+        raise AgentProtocolError(f"bad payload from agent: {e.message}", e.code) from None
+
+
+def _integer(info: dict[str, Any], key: str, default: Any = _MISSING) -> int:
+    value = info.get(key, default)
+    if value is _MISSING or isinstance(value, bool) or not isinstance(value, int):
+        raise AgentProtocolError(f"agent sent {key}={value if value is not _MISSING else 'nothing'!r}, "
+                                 "not an integer")
+    return value
+
+
+def _number(info: dict[str, Any], key: str, default: float) -> float:
+    value = info.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:  # NaN
+        raise AgentProtocolError(f"agent sent {key}={value!r}, not a number")
+    return float(value)
+
+
+def _optional_integer(info: dict[str, Any], key: str) -> int | None:
+    return None if info.get(key) is None else _integer(info, key)
 
 
 @dataclass(frozen=True)
@@ -388,7 +417,7 @@ class ExecStream:
             frame = await client._recv(queue)
             if frame.type != T.STARTED:
                 raise AgentProtocolError(f"expected STARTED, got {P.TYPE_NAMES.get(frame.type, frame.type)}")
-            self.pid = int(P.decode_json(frame.payload)["pid"])
+            self.pid = _integer(_decode(frame.payload), "pid")
         except BaseException:
             self._finish()
             raise
@@ -415,14 +444,12 @@ class ExecStream:
         if frame.type == T.STDERR:
             return ExecStderr(frame.payload)
         if frame.type == T.EXIT:
-            info = P.decode_json(frame.payload)
-            self.exit = ExecExit(
-                info.get("exit_code"),
-                info.get("signal"),
-                bool(info.get("timed_out")),
-                float(info.get("duration", 0)),
-            )
-            self._finish()
+            try:    # type-checked: a guest's "exit_code": "0" must not look like an exit status
+                info = _decode(frame.payload)
+                self.exit = ExecExit(_optional_integer(info, "exit_code"), _optional_integer(info, "signal"),
+                                     bool(info.get("timed_out")), _number(info, "duration", 0.0))
+            finally:
+                self._finish()
             return self.exit
         self._finish()
         raise AgentProtocolError(f"unexpected {P.TYPE_NAMES.get(frame.type, frame.type)} during exec")

@@ -28,7 +28,7 @@ from smold.smolfile import (
     parse_smolfile,
 )
 from smold.smolfile.errors import KeyPath
-from smold.verifier import CheckResult, Evidence, VerifyResult
+from smold.verifier import CheckResult, Evidence, Outcome, VerifyResult
 
 from .machine import (
     BakeInfo,
@@ -200,12 +200,17 @@ def evidence_from_proto(msg: pb.Evidence) -> Evidence:
     )
 
 
+OUTCOME_TO_PROTO = {Outcome.PASS: pb.OUTCOME_PASS, Outcome.FAIL: pb.OUTCOME_FAIL,
+                    Outcome.VERIFIER_ERROR: pb.OUTCOME_VERIFIER_ERROR}
+
+
 def check_result_to_proto(r: CheckResult) -> pb.CheckResult:
-    return pb.CheckResult(name=r.name, kind=r.kind, passed=r.passed, evidence=evidence_to_proto(r.evidence))
+    return pb.CheckResult(name=r.name, kind=r.kind, passed=r.passed, evidence=evidence_to_proto(r.evidence),
+                          error=r.error)
 
 
 def check_result_from_proto(msg: pb.CheckResult) -> CheckResult:
-    return CheckResult(msg.name, msg.kind, msg.passed, evidence_from_proto(msg.evidence))
+    return CheckResult(msg.name, msg.kind, msg.passed, evidence_from_proto(msg.evidence), msg.error)
 
 
 def verify_result_to_proto(r: VerifyResult) -> pb.VerifyResult:
@@ -215,6 +220,8 @@ def verify_result_to_proto(r: VerifyResult) -> pb.VerifyResult:
         image_digest=r.image_digest,
         smolfile_digest=r.smolfile_digest,
         duration_ms=r.duration_ms,
+        outcome=OUTCOME_TO_PROTO[r.outcome],
+        outcome_detail=r.outcome_detail,
     )
 
 

@@ -3,7 +3,7 @@
 from .errors import CheckFailed, RewardFormatError, VerifierError
 from .guest import ExecEvents, Guest
 from .http_probe import PROBE_SCRIPT
-from .result import OUTPUT_TAIL_BYTES, CheckResult, Evidence, TailBuffer, VerifyResult, tail_text
+from .result import OUTPUT_TAIL_BYTES, CheckResult, Evidence, Outcome, TailBuffer, VerifyResult, tail_text
 from .reward import parse_reward
 from .runner import AGENT_GRACE_S, run_one, verify, verify_smolfile
 
@@ -16,6 +16,7 @@ __all__ = [
     "Evidence",
     "ExecEvents",
     "Guest",
+    "Outcome",
     "RewardFormatError",
     "TailBuffer",
     "VerifierError",

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 OUTPUT_TAIL_BYTES = 4096
+
+
+class Outcome(enum.StrEnum):
+    """How a verification ended (proto: Outcome; docs/verifier.md, "Outcomes"). Only PASS is a pass."""
+
+    PASS = "pass"
+    FAIL = "fail"                      # the checks ran and at least one failed
+    VERIFIER_ERROR = "verifier_error"  # the verifier could not decide (guest protocol errors, harness timeouts)
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,7 @@ class CheckResult:
     kind: str
     passed: bool
     evidence: Evidence
+    error: bool = False  # undecided: the guest agent failed or broke the protocol, or the harness timed out
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,28 @@ class VerifyResult:
     @property
     def failed(self) -> tuple[CheckResult, ...]:
         return tuple(c for c in self.checks if not c.passed)
+
+    @property
+    def outcome(self) -> Outcome:
+        """PASS when every check passed; VERIFIER_ERROR when a check could not be decided; else FAIL."""
+        if self.passed:
+            return Outcome.PASS
+        return Outcome.VERIFIER_ERROR if any(c.error for c in self.checks) else Outcome.FAIL
+
+    @property
+    def outcome_detail(self) -> str:
+        """One line saying why."""
+        if not self.checks:
+            return "no checks ran"
+        if self.passed:
+            return f"all {len(self.checks)} checks passed"
+        undecided = [c for c in self.checks if c.error]
+        if undecided:
+            return (f"{len(undecided)} of {len(self.checks)} checks could not be decided: "
+                    + "; ".join(f"{c.name}: {c.evidence.detail}" for c in undecided))
+        failed = self.failed
+        return (f"{len(failed)} of {len(self.checks)} checks failed: "
+                + "; ".join(f"{c.name}: {c.evidence.detail}" for c in failed))
 
 
 def tail_text(data: bytes | bytearray, limit: int = OUTPUT_TAIL_BYTES) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -13,6 +14,8 @@ from .checks import run_check
 from .errors import CheckFailed
 from .guest import Guest
 from .result import CheckResult, Evidence, TailBuffer, VerifyResult
+
+log = logging.getLogger("smold.verifier")
 
 # How long past a check's own timeout the host waits for the agent before giving up on it (the agent
 # enforces exec timeouts itself; this only catches an agent that stopped answering).
@@ -37,7 +40,8 @@ async def run_one(
     start = clock()
 
     def failed(
-        detail: str, *, exit_code: int | None = None, tail: str | None = None, timed_out: bool = False
+        detail: str, *, exit_code: int | None = None, tail: str | None = None, timed_out: bool = False,
+        error: bool = False,
     ) -> CheckResult:
         evidence = Evidence(
             exit_code=exit_code,
@@ -46,8 +50,11 @@ async def run_one(
             detail=detail,
             timed_out=timed_out,
         )
-        return CheckResult(check.name, check.kind, False, evidence)
+        return CheckResult(check.name, check.kind, False, evidence, error)
 
+    # A check that ran and did not pass is a failure; one the harness could not decide (the agent stopped
+    # answering or broke the protocol) is an error: the verdict is then verifier_error, never a pass or an
+    # INTERNAL error of the daemon (docs/verifier.md, "Outcomes").
     try:
         ok = await asyncio.wait_for(run_check(guest, check, timeout, env, output), timeout + AGENT_GRACE_S)
     except CheckFailed as e:
@@ -55,11 +62,14 @@ async def run_one(
             e.detail, exit_code=e.exit_code, tail=e.output_tail or None, timed_out=e.timed_out
         )
     except TimeoutError:
-        return failed(f"timed out after {timeout:g}s (the agent did not answer)", timed_out=True)
+        return failed(f"timed out after {timeout:g}s (the agent did not answer)", timed_out=True, error=True)
     except AgentError as e:
-        return failed(f"agent error: {e}")
+        return failed(f"agent error: {e}", error=True)
     except OSError as e:
-        return failed(f"connection to the agent failed: {e!r}")
+        return failed(f"connection to the agent failed: {e!r}", error=True)
+    except Exception as e:  # anything else a hostile guest provoked: undecided, and said so
+        log.warning("check %r could not be decided: %r", check.name, e)
+        return failed(f"the verifier could not decide this check: {e!r}", error=True)
     evidence = Evidence(
         exit_code=ok.exit_code, output_tail=ok.output_tail, duration_ms=_ms(clock() - start), detail=ok.detail
     )

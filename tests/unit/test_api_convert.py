@@ -243,3 +243,17 @@ def test_exec_events_round_trip():
     assert [convert.exec_event_from_proto(m) for m in msgs] == events
     with pytest.raises(convert.ConversionError):
         convert.exec_event_from_proto(pb.ExecResponse())
+
+
+def test_an_undecided_check_travels_as_a_verifier_error_with_its_outcome():
+    undecided = CheckResult("suite", "command", False, Evidence(None, "", 2, "agent error: EPROTO: bad"), True)
+    failed = CheckResult("file", "file_exists", False, Evidence(None, "", 1, "/a is missing"))
+    for checks, outcome, word in [((undecided, failed), pb.OUTCOME_VERIFIER_ERROR, "could not be decided"),
+                                  ((failed,), pb.OUTCOME_FAIL, "checks failed")]:
+        result = VerifyResult(passed=False, checks=checks)
+        msg = wire(convert.verify_result_to_proto(result))
+        assert msg.outcome == outcome and word in msg.outcome_detail
+        assert convert.verify_result_from_proto(msg) == result
+    ok = VerifyResult(passed=True, checks=(CheckResult("z", "command", True, Evidence(0, "", 1, "exit 0")),))
+    msg = wire(convert.verify_result_to_proto(ok))
+    assert msg.outcome == pb.OUTCOME_PASS and msg.outcome_detail == "all 1 checks passed"

@@ -195,3 +195,19 @@ def test_examples_pass_and_fail_with_evidence(daemon: DaemonProcess, guest: Path
     assert "AssertionError: Lists differ: ['Fizz', 'Fizz'] != ['FizzBuzz', 'FizzBuzz']" in text
     assert re.search(r"^  FAIL  output .*no match for regex", text, re.M) and "| 15: Fizz" in text
     assert re.search(r"^  FAIL  reward .*reward 0 < threshold 1", text, re.M)
+
+
+def test_a_check_that_kills_the_guest_agent_is_a_verifier_error_exit_2(daemon: DaemonProcess, guest: Path) -> None:
+    """The agent under test may break the harness during verification: the verdict is then verifier_error
+    (exit 2, the check marked ERROR with why), never a pass, a plain fail or an INTERNAL error of the daemon."""
+    sf = smolfile_dir(guest, 'memory = 256\n[[verifier.checks]]\nkind = "command"\nname = "rigged"\n'
+                             'run = "kill -9 $PPID; sleep 5"\n')
+    mid = out(daemon.smolctl("create", str(sf))).strip()
+    try:
+        r = daemon.smolctl("verify", mid)
+        text = r.stdout.decode()
+        assert r.returncode == 2 and text.startswith("VERIFIER_ERROR  0/1 checks passed"), (text, r.stderr)
+        assert re.search(r"^  ERROR  rigged  ", text, re.M), text
+        assert "verifier_error: 1 of 1 checks could not be decided: rigged: " in text, text
+    finally:
+        out(daemon.smolctl("rm", mid))

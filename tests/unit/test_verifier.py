@@ -462,3 +462,58 @@ def test_tail_buffer_keeps_last_bytes_across_chunks():
     buf2.add(b"abc")
     buf2.add(b"0123456789XYZ")
     assert buf2.text() == "3456789XYZ"
+
+
+# --- a hostile agent: malformed frames during verification are verifier errors, never exceptions -------------
+HOSTILE_REPLIES = {
+    "started without pid": [("STARTED", b"{}")],
+    "started with a text pid": [("STARTED", b'{"pid": "one"}')],
+    "started not json": [("STARTED", b"\xff\xfe not json")],
+    "started a json array": [("STARTED", b"[1, 2]")],
+    "exit with a text code": [("STARTED", b'{"pid": 7}'), ("EXIT", b'{"exit_code": "0"}')],
+    "exit with a nan duration": [("STARTED", b'{"pid": 7}'), ("EXIT", b'{"exit_code": 0, "duration": NaN}')],
+    "exit not json": [("STARTED", b'{"pid": 7}'), ("EXIT", b"\x00\x01")],
+    "result for exec": [("RESULT", b"{}")],
+}
+
+
+async def _hostile_agent(path: str, replies: list[tuple[str, bytes]]) -> asyncio.AbstractServer:
+    from smol_agent import protocol as P
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        decoder = P.FrameDecoder()
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                break
+            decoder.feed(data)
+            while (frame := decoder.next_frame()) is not None:
+                mtype, _flags, rid, _payload = frame
+                if mtype == P.MsgType.HELLO:
+                    writer.write(P.pack_json(P.MsgType.HELLO_OK, rid, {"major": P.PROTOCOL_MAJOR, "minor": 1}))
+                elif mtype == P.MsgType.EXEC:
+                    for name, payload in replies:
+                        writer.write(P.pack_frame(getattr(P.MsgType, name), rid, payload))
+                await writer.drain()
+        writer.close()
+
+    return await asyncio.start_unix_server(serve, path)
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_REPLIES))
+async def test_malformed_agent_frames_make_an_undecided_check_not_an_exception(workdir: Path, case: str) -> None:
+    path = str(workdir / "hostile.sock")
+    server = await _hostile_agent(path, HOSTILE_REPLIES[case])
+    try:
+        client = await connect_unix(path)
+        try:
+            result = await verify(client, [CommandCheck(name="suite", run="pytest")], timeout=10)
+        finally:
+            await client.close()
+    finally:
+        server.close()
+    (check,) = result.checks
+    assert not result.passed and not check.passed
+    assert check.error, check
+    assert result.outcome == "verifier_error"
+    assert "suite" in result.outcome_detail and "could not be decided" in result.outcome_detail

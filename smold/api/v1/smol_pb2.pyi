@@ -20,6 +20,13 @@ class MachineState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MACHINE_STATE_STOPPED: _ClassVar[MachineState]
     MACHINE_STATE_FAILED: _ClassVar[MachineState]
 
+class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
+    OUTCOME_PASS: _ClassVar[Outcome]
+    OUTCOME_FAIL: _ClassVar[Outcome]
+    OUTCOME_VERIFIER_ERROR: _ClassVar[Outcome]
+
 class CopyFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     COPY_FORMAT_UNSPECIFIED: _ClassVar[CopyFormat]
@@ -32,6 +39,10 @@ MACHINE_STATE_PAUSED: MachineState
 MACHINE_STATE_STOPPING: MachineState
 MACHINE_STATE_STOPPED: MachineState
 MACHINE_STATE_FAILED: MachineState
+OUTCOME_UNSPECIFIED: Outcome
+OUTCOME_PASS: Outcome
+OUTCOME_FAIL: Outcome
+OUTCOME_VERIFIER_ERROR: Outcome
 COPY_FORMAT_UNSPECIFIED: CopyFormat
 COPY_FORMAT_FILE: CopyFormat
 COPY_FORMAT_TAR: CopyFormat
@@ -296,30 +307,36 @@ class Evidence(_message.Message):
     def __init__(self, exit_code: _Optional[int] = ..., output_tail: _Optional[str] = ..., duration_ms: _Optional[int] = ..., detail: _Optional[str] = ..., timed_out: _Optional[bool] = ...) -> None: ...
 
 class CheckResult(_message.Message):
-    __slots__ = ("name", "kind", "passed", "evidence")
+    __slots__ = ("name", "kind", "passed", "evidence", "error")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PASSED_FIELD_NUMBER: _ClassVar[int]
     EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     passed: bool
     evidence: Evidence
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., passed: _Optional[bool] = ..., evidence: _Optional[_Union[Evidence, _Mapping]] = ...) -> None: ...
+    error: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., passed: _Optional[bool] = ..., evidence: _Optional[_Union[Evidence, _Mapping]] = ..., error: _Optional[bool] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("passed", "checks", "image_digest", "smolfile_digest", "duration_ms")
+    __slots__ = ("passed", "checks", "image_digest", "smolfile_digest", "duration_ms", "outcome", "outcome_detail")
     PASSED_FIELD_NUMBER: _ClassVar[int]
     CHECKS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     SMOLFILE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_DETAIL_FIELD_NUMBER: _ClassVar[int]
     passed: bool
     checks: _containers.RepeatedCompositeFieldContainer[CheckResult]
     image_digest: str
     smolfile_digest: str
     duration_ms: int
-    def __init__(self, passed: _Optional[bool] = ..., checks: _Optional[_Iterable[_Union[CheckResult, _Mapping]]] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., duration_ms: _Optional[int] = ...) -> None: ...
+    outcome: Outcome
+    outcome_detail: str
+    def __init__(self, passed: _Optional[bool] = ..., checks: _Optional[_Iterable[_Union[CheckResult, _Mapping]]] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., duration_ms: _Optional[int] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., outcome_detail: _Optional[str] = ...) -> None: ...
 
 class CreateMachineRequest(_message.Message):
     __slots__ = ("name", "smolfile", "from_checkpoint")
