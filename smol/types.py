@@ -8,6 +8,8 @@ from datetime import datetime
 from smold.api.v1 import smol_pb2 as pb
 
 _STATES = {v: k.removeprefix("MACHINE_STATE_").lower() for k, v in pb.MachineState.items()}
+# proto Outcome -> the SDK's string ("pass", "fail", "verifier_error", "infra_error"); unset -> ""
+OUTCOME_NAMES = {v: k.removeprefix("OUTCOME_").lower() for k, v in pb.Outcome.items() if v}
 
 
 @dataclass(frozen=True)
@@ -165,8 +167,7 @@ class VerifyResult:
                               output_tail=c.evidence.output_tail, detail=c.evidence.detail,
                               timed_out=c.evidence.timed_out, duration_ms=c.evidence.duration_ms, error=c.error)
                   for c in r.checks]
-        outcome = {pb.OUTCOME_PASS: "pass", pb.OUTCOME_FAIL: "fail",
-                   pb.OUTCOME_VERIFIER_ERROR: "verifier_error"}.get(r.outcome, "")
+        outcome = OUTCOME_NAMES.get(r.outcome, "")
         return cls(passed=r.passed, checks=checks, image_digest=r.image_digest, smolfile_digest=r.smolfile_digest,
                    duration_ms=r.duration_ms, outcome=outcome, outcome_detail=r.outcome_detail)
 
@@ -193,6 +194,8 @@ class RunResult:
     machine_id: str
     error: str
     duration_ms: int
+    outcome: str = ""            # "pass", "fail", "verifier_error" or "infra_error" (docs/verifier.md)
+    outcome_detail: str = ""
 
     @property
     def passed(self) -> bool:
@@ -206,4 +209,5 @@ class RunResult:
                             timed_out=s.evidence.timed_out, duration_ms=s.evidence.duration_ms)
                  for s in r.steps]
         return cls(result=VerifyResult.from_proto(r.result), steps=steps, machine_id=r.machine_id, error=r.error,
-                   duration_ms=r.duration_ms)
+                   duration_ms=r.duration_ms, outcome=OUTCOME_NAMES.get(r.outcome, ""),
+                   outcome_detail=r.outcome_detail)

@@ -103,18 +103,23 @@ def _evidence_line(ev: pb.Evidence) -> str:
     return "  ".join(bits)
 
 
-def verdict(result: pb.VerifyResult) -> str:
-    """PASS, FAIL, or VERIFIER_ERROR when a check could not be decided (docs/verifier.md, "Outcomes")."""
-    if result.outcome == pb.OUTCOME_VERIFIER_ERROR:
-        return "VERIFIER_ERROR"
-    return "PASS" if result.passed else "FAIL"
+UNDECIDED = {pb.OUTCOME_VERIFIER_ERROR: "VERIFIER_ERROR", pb.OUTCOME_INFRA_ERROR: "INFRA_ERROR"}
 
 
-def verdict_exit(result: pb.VerifyResult) -> int:
-    """smolctl's exit status for a verdict: 0 pass, 1 fail, 2 verifier error (as for any other error)."""
-    if result.passed:
-        return 0
-    return 2 if result.outcome == pb.OUTCOME_VERIFIER_ERROR else 1
+def verdict(result: pb.VerifyResult | pb.RunResponse) -> str:
+    """PASS, FAIL, VERIFIER_ERROR (a check could not be decided) or INFRA_ERROR (a Run's mount or setup step
+    failed); docs/verifier.md, "Outcomes"."""
+    if result.outcome in UNDECIDED:
+        return UNDECIDED[result.outcome]
+    passed = result.passed if isinstance(result, pb.VerifyResult) else result.result.passed
+    return "PASS" if passed else "FAIL"
+
+
+def verdict_exit(result: pb.VerifyResult | pb.RunResponse) -> int:
+    """smolctl's exit status for a verdict: 0 pass, 1 fail, 2 no verdict (verifier or infra error, as for any
+    other error)."""
+    word = verdict(result)
+    return 0 if word == "PASS" else 1 if word == "FAIL" else 2
 
 
 def verify_result(result: pb.VerifyResult, *, verbose: bool = False) -> list[str]:
@@ -140,7 +145,7 @@ def verify_summary(result: pb.VerifyResult) -> str:
 
 def run_result(resp: pb.RunResponse, *, verbose: bool = False) -> str:
     passed = sum(c.passed for c in resp.result.checks)
-    lines = [f"{verdict(resp.result)}  {passed}/{len(resp.result.checks)} checks passed  "
+    lines = [f"{verdict(resp)}  {passed}/{len(resp.result.checks)} checks passed  "
              f"(machine {resp.machine_id or '-'}, {resp.duration_ms / 1000:.1f}s)"]
     if resp.error:
         lines.append(f"stopped before the verifier: {resp.error}")

@@ -25,4 +25,4 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
     with Progress(f"running {args.smolfile}"):
         resp = stub.Run(pb.RunRequest(smolfile=smolfile_message(args.smolfile), name=args.name))
     print(to_json(resp) if args.json else run_result(resp, verbose=args.verbose))
-    return verdict_exit(resp.result)
+    return verdict_exit(resp)

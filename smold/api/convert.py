@@ -201,7 +201,8 @@ def evidence_from_proto(msg: pb.Evidence) -> Evidence:
 
 
 OUTCOME_TO_PROTO = {Outcome.PASS: pb.OUTCOME_PASS, Outcome.FAIL: pb.OUTCOME_FAIL,
-                    Outcome.VERIFIER_ERROR: pb.OUTCOME_VERIFIER_ERROR}
+                    Outcome.VERIFIER_ERROR: pb.OUTCOME_VERIFIER_ERROR, Outcome.INFRA_ERROR: pb.OUTCOME_INFRA_ERROR}
+OUTCOME_FROM_PROTO = {v: k for k, v in OUTCOME_TO_PROTO.items()}
 
 
 def check_result_to_proto(r: CheckResult) -> pb.CheckResult:
@@ -251,6 +252,8 @@ def run_result_to_proto(r: RunResult) -> pb.RunResponse:
         error=r.error,
         duration_ms=r.duration_ms,
         network=network_report_to_proto(r.network) if r.network is not None else None,
+        outcome=OUTCOME_TO_PROTO[r.outcome],
+        outcome_detail=r.outcome_detail,
     )
 
 
@@ -262,6 +265,7 @@ def run_result_from_proto(msg: pb.RunResponse) -> RunResult:
         error=msg.error,
         duration_ms=msg.duration_ms,
         network=network_report_from_proto(msg.network) if msg.HasField("network") else None,
+        error_outcome=OUTCOME_FROM_PROTO.get(msg.outcome, Outcome.INFRA_ERROR) if msg.error else Outcome.INFRA_ERROR,
     )
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from smold.smolfile import PortForward
-from smold.verifier import Evidence, VerifyResult
+from smold.verifier import Evidence, Outcome, VerifyResult
 
 
 class MachineState(enum.Enum):
@@ -115,3 +115,15 @@ class RunResult:
     error: str = ""
     duration_ms: int = 0
     network: NetworkReport | None = None  # read just before the machine was destroyed; None: networking off
+    # with error: INFRA_ERROR when a mount or setup step failed, VERIFIER_ERROR when the verifier could not reach
+    # the guest (docs/verifier.md, "Outcomes")
+    error_outcome: Outcome = Outcome.INFRA_ERROR
+
+    @property
+    def outcome(self) -> Outcome:
+        """The Run's verdict: the verifier's, unless the run stopped before it could give one."""
+        return self.error_outcome if self.error else self.result.outcome
+
+    @property
+    def outcome_detail(self) -> str:
+        return self.error if self.error else self.result.outcome_detail

@@ -56,7 +56,7 @@ from smold.smolfile import (
     parse_mapping,
     to_mapping,
 )
-from smold.verifier import Evidence, VerifyResult, tail_text, verify
+from smold.verifier import Evidence, Outcome, VerifyResult, tail_text, verify
 
 from . import guestops
 from .bakes import (
@@ -1306,7 +1306,7 @@ class Controller:
             except GuestUnavailableError as e:
                 result = VerifyResult(False, (), m.image_digest, sdigest, 0)
                 return RunResult(result, tuple(steps), m.id, error=f"verify: {e}", duration_ms=_ms_since(start),
-                                 network=await self._read_network(m))
+                                 network=await self._read_network(m), error_outcome=Outcome.VERIFIER_ERROR)
             return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start),
                              network=await self._read_network(m))
         finally:

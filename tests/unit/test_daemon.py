@@ -350,6 +350,7 @@ async def test_run_pass_returns_result_and_steps_and_destroys(env: Env) -> None:
     sf = parse_smolfile((d / "Smolfile.toml").read_text(), base_dir=str(d))
     assert resp.result.smolfile_digest == digest(sf) and resp.result.image_digest.startswith("sha256:")
     assert resp.machine_id and resp.duration_ms > 0
+    assert resp.outcome == resp.result.outcome == pb.OUTCOME_PASS
     assert not (env.machines_dir / resp.machine_id).exists()
     assert (await env.stub.ListMachines(pb.ListMachinesRequest())).machines == []
 
@@ -358,6 +359,7 @@ async def test_run_fail_gives_the_failing_checks_evidence(env: Env) -> None:
     d = task_dir(env, f"echo 41 > answer; echo 0 > {env.guest}/logs/reward.txt; echo wrong answer >&2; exit 1")
     resp = await env.stub.Run(pb.RunRequest(smolfile=smolfile_of(d)))
     assert not resp.result.passed and not resp.error
+    assert resp.outcome == resp.result.outcome == pb.OUTCOME_FAIL and "3 of 3 checks failed" in resp.outcome_detail
     task = resp.steps[-1]
     assert task.name == "task" and not task.ok and task.evidence.exit_code == 1
     assert "wrong answer" in task.evidence.output_tail
@@ -373,6 +375,8 @@ async def test_run_stops_at_a_failed_setup_step_and_still_destroys(env: Env) -> 
     resp = await env.stub.Run(pb.RunRequest(smolfile=smolfile_of(d)))
     assert not resp.result.passed and list(resp.result.checks) == []
     assert "setup[0] failed" in resp.error and "exit 7" in resp.error
+    # no verdict on the agent's work: smol could not run the attempt (docs/verifier.md, "Outcomes")
+    assert resp.outcome == pb.OUTCOME_INFRA_ERROR and resp.outcome_detail == resp.error
     assert [s.name for s in resp.steps] == ["boot", "mount[0]", "setup[0]"]
     assert resp.steps[-1].evidence.exit_code == 7 and "setting up" in resp.steps[-1].evidence.output_tail
     assert not (env.machines_dir / resp.machine_id).exists()

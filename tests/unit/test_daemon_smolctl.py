@@ -211,3 +211,15 @@ def test_a_check_that_kills_the_guest_agent_is_a_verifier_error_exit_2(daemon: D
         assert "verifier_error: 1 of 1 checks could not be decided: rigged: " in text, text
     finally:
         out(daemon.smolctl("rm", mid))
+
+
+def test_a_run_whose_setup_fails_is_an_infra_error_exit_2(daemon: DaemonProcess, guest: Path) -> None:
+    """No verdict on the agent's work when smol could not run the attempt: INFRA_ERROR, exit 2, and why."""
+    sf = smolfile_dir(guest, 'memory = 256\nsetup = ["echo preparing; exit 3"]\ntask = "true"\n'
+                             '[[verifier.checks]]\nkind = "command"\nrun = "true"\n')
+    r = daemon.smolctl("run", str(sf))
+    text = r.stdout.decode()
+    assert r.returncode == 2 and text.startswith("INFRA_ERROR  0/0 checks passed"), (text, r.stderr)
+    assert "stopped before the verifier: setup[0] failed" in text, text
+    r = daemon.smolctl("run", "--json", str(sf))
+    assert r.returncode == 2 and json.loads(r.stdout)["outcome"] == "OUTCOME_INFRA_ERROR", r.stdout

@@ -69,9 +69,12 @@ content = "42\\n"
     with smol.Client(daemon.socket) as client:
         res = client.run(toml=toml)
         assert res.passed and [s.name for s in res.steps][-1] == "task"
+        assert res.outcome == res.result.outcome == "pass" and res.result.outcome_detail == "all 1 checks passed"
         (guest / "answer").unlink()  # the host agent shares the host's filesystem
         with client.machine(toml=toml) as m:
-            assert not m.verify().passed  # the task only runs in Run
+            v = m.verify()  # the task only runs in Run
+            assert not v.passed and v.outcome == "fail" and "1 of 1 checks failed" in v.outcome_detail
+            assert not v.checks[0].error
             m.exec(["sh", "-c", f"mkdir -p {guest} && echo 42 > {guest}/answer"])
             v = m.verify()
             assert v.passed and v.checks[0].kind == "file_matches"

@@ -26,6 +26,7 @@ class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTCOME_PASS: _ClassVar[Outcome]
     OUTCOME_FAIL: _ClassVar[Outcome]
     OUTCOME_VERIFIER_ERROR: _ClassVar[Outcome]
+    OUTCOME_INFRA_ERROR: _ClassVar[Outcome]
 
 class CopyFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -43,6 +44,7 @@ OUTCOME_UNSPECIFIED: Outcome
 OUTCOME_PASS: Outcome
 OUTCOME_FAIL: Outcome
 OUTCOME_VERIFIER_ERROR: Outcome
+OUTCOME_INFRA_ERROR: Outcome
 COPY_FORMAT_UNSPECIFIED: CopyFormat
 COPY_FORMAT_FILE: CopyFormat
 COPY_FORMAT_TAR: CopyFormat
@@ -510,20 +512,24 @@ class StepResult(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ok: _Optional[bool] = ..., evidence: _Optional[_Union[Evidence, _Mapping]] = ...) -> None: ...
 
 class RunResponse(_message.Message):
-    __slots__ = ("result", "steps", "machine_id", "error", "duration_ms", "network")
+    __slots__ = ("result", "steps", "machine_id", "error", "duration_ms", "network", "outcome", "outcome_detail")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_DETAIL_FIELD_NUMBER: _ClassVar[int]
     result: VerifyResult
     steps: _containers.RepeatedCompositeFieldContainer[StepResult]
     machine_id: str
     error: str
     duration_ms: int
     network: NetworkReport
-    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ..., error: _Optional[str] = ..., duration_ms: _Optional[int] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ...) -> None: ...
+    outcome: Outcome
+    outcome_detail: str
+    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ..., error: _Optional[str] = ..., duration_ms: _Optional[int] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., outcome_detail: _Optional[str] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("machine_id", "count")
