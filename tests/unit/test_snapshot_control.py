@@ -96,9 +96,16 @@ def unprivileged_agent() -> Iterator[str]:
     d = Path(tempfile.mkdtemp(prefix="smolst-", dir="/tmp"))
     os.chmod(d, 0o777)
     path = str(d / "agent.sock")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-                             "-m", "smol_agent", "--listen", f"unix:{path}"], env=env,
+    # user nobody may not be able to enter the checkout (a clone under a 0700 directory, as the preflight makes):
+    # the agent (stdlib only) runs from a copy here, with the interpreter the venv's python points at
+    shutil.copytree(Path(__file__).resolve().parents[2] / "guest-agent" / "smol_agent", d / "smol_agent",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for p in [d, *d.rglob("*")]:
+        p.chmod(0o777 if p.is_dir() else 0o644)
+    env = {**os.environ, "PYTHONPATH": str(d), "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                             os.path.realpath(sys.executable), "-m", "smol_agent", "--listen", f"unix:{path}"],
+                            env=env, cwd=d,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 15
     while True:
