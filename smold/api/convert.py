@@ -365,6 +365,7 @@ def smolfile_to_spec_proto(s: Smolfile) -> pb.SmolfileSpec:
         ),
         checks=[check_to_proto(c) for c in s.checks],
         base_dir=s.base_dir or "",
+        verifier_mounts=[pb.Mount(host_path=m.host, guest_path=m.guest) for m in s.verifier_mounts],
     )
     if s.task is not None:
         msg.task.CopyFrom(command_to_proto(s.task))
@@ -444,12 +445,7 @@ def spec_mapping(msg: pb.SmolfileSpec, file: str = INLINE_SPEC) -> dict[str, Any
         if len(msg.network.forward):
             out["network"]["forward"] = list(msg.network.forward)
     if len(msg.mounts):
-        mounts: dict[str, str] = {}
-        for m in msg.mounts:
-            if m.host_path in mounts:
-                raise SmolfileError.at(file, ["mounts", m.host_path], "duplicate host path")
-            mounts[m.host_path] = m.guest_path
-        out["mounts"] = mounts
+        out["mounts"] = _mounts_mapping(msg.mounts, file, ["mounts"])
     if len(msg.env):
         out["env"] = dict(msg.env)
     if len(msg.setup):
@@ -466,7 +462,18 @@ def spec_mapping(msg: pb.SmolfileSpec, file: str = INLINE_SPEC) -> dict[str, Any
             out["timeouts"] = timeouts
     if len(msg.checks):
         out["verifier"] = {"checks": _checks_mapping(msg.checks, file)}
+    if len(msg.verifier_mounts):
+        out.setdefault("verifier", {})["mounts"] = _mounts_mapping(msg.verifier_mounts, file, ["verifier", "mounts"])
     return out
+
+
+def _mounts_mapping(msgs: Iterable[pb.Mount], file: str, path: list[str]) -> dict[str, str]:
+    mounts: dict[str, str] = {}
+    for m in msgs:
+        if m.host_path in mounts:
+            raise SmolfileError.at(file, [*path, m.host_path], "duplicate host path")
+        mounts[m.host_path] = m.guest_path
+    return mounts
 
 
 def smolfile_from_spec_proto(

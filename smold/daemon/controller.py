@@ -56,7 +56,7 @@ from smold.smolfile import (
     parse_mapping,
     to_mapping,
 )
-from smold.verifier import Evidence, Outcome, VerifyResult, tail_text, verify
+from smold.verifier import CheckResult, Evidence, Outcome, VerifyResult, tail_text, verify
 
 from . import guestops
 from .bakes import (
@@ -589,8 +589,10 @@ class Controller:
                 if not step.ok:
                     raise StepFailedError(step)
 
-    async def _copy_mount(self, m: Machine, client: AgentClient, index: int, src: Path, dest: str) -> StepResult:
-        name = f"mount[{index}]"
+    async def _copy_mount(self, m: Machine, client: AgentClient, index: int, src: Path, dest: str, *,
+                          replace: bool = False, name: str = "") -> StepResult:
+        """Copy one mount in; with ``replace``, whatever is at ``dest`` (file, tree or symlink) is removed first."""
+        name = name or f"mount[{index}]"
         start = time.monotonic()
 
         def step(ok: bool, detail: str) -> StepResult:
@@ -598,6 +600,15 @@ class Controller:
 
         cap = self.config.copy_cap_bytes
         try:
+            if replace:
+                try:
+                    res = await client.run(["rm", "-rf", "--", dest], timeout=60)
+                except AgentError as e:
+                    raise guestops.guest_error(e, m.id) from None
+                if res.exit_code != 0:
+                    detail = (res.stderr or res.stdout).decode(errors="replace").strip()[-500:]
+                    return step(False, f"removing what was at {dest} before copying {src} failed: "
+                                       f"{detail or res.exit_code}")
             if src.is_dir():
                 archive = await asyncio.to_thread(guestops.pack_tree, src, cap)
                 await guestops.unpack_in_guest(client, m.id, archive, dest)
@@ -824,12 +835,35 @@ class Controller:
         m = self._running(ref)
         return await self._verify(m, checks)
 
-    async def _verify(self, m: Machine, checks: Sequence[Check] | None = None) -> VerifyResult:
+    async def _verify(self, m: Machine, checks: Sequence[Check] | None = None, *, keep: bool = False) -> VerifyResult:
+        """The checks (the Smolfile's unless given), with the verifier mounts copied in first and, unless ``keep``
+        (a Run's machine is destroyed next anyway), removed again after."""
         sf = m.smolfile
         async with self._agent(m) as client:
-            return await verify(client, sf.checks if checks is None else checks, env=m.environ or None,
-                                timeout=sf.timeouts.verify, image_digest=m.image_digest,
-                                smolfile_digest=m.smolfile_digest)
+            if not sf.verifier_mounts:
+                return await self._run_checks(m, client, checks)
+            # [verifier.mounts]: in only now, so the task never saw them; whatever the task left at their paths
+            # is removed first. A copy that fails leaves the verdict undecided (verifier_error), with why.
+            start = time.monotonic()
+            try:
+                for i, mount in enumerate(sf.verifier_mounts):
+                    step = await self._copy_mount(m, client, i, sf.host_path(mount), mount.guest, replace=True,
+                                                  name=f"verifier.mounts[{i}]")
+                    if not step.ok:
+                        undecided = CheckResult(step.name, "mount", False, step.evidence, error=True)
+                        return VerifyResult(False, (undecided,), m.image_digest, m.smolfile_digest,
+                                            _ms_since(start))
+                return await self._run_checks(m, client, checks)
+            finally:
+                # out again, so that a task that goes on after a Verify (or a snapshot of it) does not see them
+                if not keep:
+                    with contextlib.suppress(DaemonError, AgentError, OSError):
+                        await client.run(["rm", "-rf", "--", *(vm.guest for vm in sf.verifier_mounts)], timeout=60)
+
+    async def _run_checks(self, m: Machine, client: AgentClient, checks: Sequence[Check] | None) -> VerifyResult:
+        sf = m.smolfile
+        return await verify(client, sf.checks if checks is None else checks, env=m.environ or None,
+                            timeout=sf.timeouts.verify, image_digest=m.image_digest, smolfile_digest=m.smolfile_digest)
 
     # --- OCI images ---------------------------------------------------------------------------------------------
     async def pull_image(self, ref: str) -> Any:
@@ -1302,7 +1336,7 @@ class Controller:
                 except GuestUnavailableError as e:
                     steps.append(StepResult("task", False, Evidence(detail=str(e))))
             try:
-                result = await self._verify(m)
+                result = await self._verify(m, keep=True)
             except GuestUnavailableError as e:
                 result = VerifyResult(False, (), m.image_digest, sdigest, 0)
                 return RunResult(result, tuple(steps), m.id, error=f"verify: {e}", duration_ms=_ms_since(start),
@@ -1418,12 +1452,12 @@ def _log_task_error(task: asyncio.Task[Any]) -> None:
 def check_mount_roots(smolfile: Smolfile, roots: tuple[Path, ...], filename: str) -> None:
     """With ``--mount-root``: every mount source (symlinks resolved) lies inside one of ``roots``, so a
     client cannot have the daemon read host files outside them by naming another base_dir."""
-    if not roots or not smolfile.mounts:
+    if not roots or not smolfile.all_mounts:
         return
     allowed = [r.resolve() for r in roots]
-    for mount in smolfile.mounts:
+    for prefix, mount in smolfile.all_mounts:
         real = smolfile.host_path(mount).resolve()
         if not any(real == r or r in real.parents for r in allowed):
-            raise SmolfileError.at(filename, ["mounts", mount.host],
+            raise SmolfileError.at(filename, [*prefix, mount.host],
                                    f"host path {real} is outside the daemon's mount roots "
                                    f"({', '.join(map(str, allowed))})")

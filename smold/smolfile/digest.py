@@ -85,6 +85,8 @@ def to_mapping(smolfile: Smolfile) -> dict[str, Any]:
         },
         "verifier": {"checks": [_check(c) for c in smolfile.checks]},
     }
+    if smolfile.verifier_mounts:  # absent when empty: digests of Smolfiles without them are unchanged
+        out["verifier"]["mounts"] = {m.host: m.guest for m in smolfile.verifier_mounts}
     if smolfile.task is not None:
         out["task"] = _command(smolfile.task)
     return out

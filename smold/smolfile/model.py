@@ -195,6 +195,15 @@ class Smolfile:
     timeouts: Timeouts = field(default_factory=Timeouts)
     checks: tuple[Check, ...] = ()
     base_dir: str | None = None  # absolute host directory; required when there are mounts
+    # [verifier.mounts]: copied in only when verification starts and removed when it ends, so the task never sees
+    # them (the tests of a task; docs/smolfile.md, "Verifier mounts"); not part of a bake
+    verifier_mounts: tuple[Mount, ...] = ()
+
+    @property
+    def all_mounts(self) -> tuple[tuple[tuple[str, ...], Mount], ...]:
+        """Every mount with the key path its errors are reported at: [mounts] then [verifier.mounts]."""
+        return (tuple((("mounts",), m) for m in self.mounts)
+                + tuple((("verifier", "mounts"), m) for m in self.verifier_mounts))
 
     @property
     def environ(self) -> dict[str, str]:

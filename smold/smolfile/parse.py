@@ -353,7 +353,7 @@ class _Parser:
 
     # --- verifier ----------------------------------------------------------------------------------
     def verifier(self, value: object, path: KeyPath) -> tuple[Check, ...]:
-        t = self.table(value, path, ("checks",))
+        t = self.table(value, path, ("checks", "mounts"))
         raw = t.get("checks", [])
         cpath = [*path, "checks"]
         if not isinstance(raw, list | tuple):
@@ -535,7 +535,33 @@ def parse_mapping(
         timeouts=p.timeouts(t["timeouts"], ["timeouts"]) if "timeouts" in t else Timeouts(),
         checks=p.verifier(t["verifier"], ["verifier"]) if "verifier" in t else (),
         base_dir=base,
+        verifier_mounts=_verifier_mounts(p, t.get("verifier"), t.get("mounts")),
     )
+
+
+def _verifier_mounts(p: _Parser, verifier: object, mounts: object) -> tuple[Mount, ...]:
+    """[verifier.mounts]: the same rules as [mounts], and no guest path overlapping one of [mounts] (a verifier
+    mount replaces what is at its guest path when verification starts)."""
+    if not isinstance(verifier, dict) or "mounts" not in verifier:
+        return ()
+    path = ["verifier", "mounts"]
+    vmounts = p.mounts(verifier["mounts"], path)
+    for vm in vmounts:
+        for m in p.mounts(mounts, ["mounts"]) if mounts is not None else ():
+            if _overlaps(m.guest, vm.guest):
+                p.fail([*path, vm.host], f"guest path '{vm.guest}' overlaps '{m.guest}' (mount of '{m.host}'): "
+                                         "a verifier mount may not replace or sit inside a task mount")
+            if _host_overlaps(m.host, vm.host):
+                p.fail([*path, vm.host], f"host path '{vm.host}' overlaps the task mount of '{m.host}', which "
+                                         "would copy it into the guest before the task: narrow that mount")
+    return vmounts
+
+
+def _host_overlaps(a: str, b: str) -> bool:
+    """Two normalized relative host paths where one is, or lies inside, the other ("." holds everything)."""
+    if a == "." or b == ".":
+        return True
+    return a == b or b.startswith(a + "/") or a.startswith(b + "/")
 
 
 def _setup(p: _Parser, value: object) -> tuple[Command, ...]:
@@ -569,12 +595,12 @@ def parse_smolfile(
 def check_mount_sources(smolfile: Smolfile, *, filename: str = DEFAULT_FILENAME) -> None:
     """File-system checks of the mounts: each source exists, is a file or directory, and (symlinks
     resolved) stays inside the base directory. Raises SmolfileError at the mount's key."""
-    if not smolfile.mounts:
+    if not smolfile.all_mounts:
         return
     assert smolfile.base_dir is not None  # parse_mapping guarantees it when there are mounts
     base = Path(smolfile.base_dir).resolve()
-    for mount in smolfile.mounts:
-        key = ["mounts", mount.host]
+    for prefix, mount in smolfile.all_mounts:
+        key = [*prefix, mount.host]
         src = smolfile.host_path(mount)
         if not src.exists():
             raise SmolfileError.at(filename, key, f"host path {src} does not exist")

@@ -150,7 +150,8 @@ def test_run_passing_and_failing_examples(daemon: Daemon) -> None:
     assert code == 0, (out.decode()[-3000:], err.decode(), daemon.log.read_text()[-3000:])
     passed = json.loads(out)
     assert passed["result"]["passed"] is True and [c["passed"] for c in passed["result"]["checks"]] == [True] * 3
-    assert [s["name"] for s in passed["steps"]] == ["boot", "mount[0]", "mount[1]", "setup[0]", "task"]
+    # tests/ is a [verifier.mounts] entry: not copied at create time, only when verification starts
+    assert [s["name"] for s in passed["steps"]] == ["boot", "mount[0]", "setup[0]", "task"]
     assert "Ran 3 tests" in passed["result"]["checks"][0]["evidence"]["output_tail"]
 
     code, out, err = results["hello-fail"]
@@ -165,6 +166,37 @@ def test_run_passing_and_failing_examples(daemon: Daemon) -> None:
     print(f"\nRun of both examples at once: {wall:.0f}s wall; boot to agent-ready: {boots}")
     assert daemon.smolctl("ls", "-q").stdout == b""  # Run destroyed both machines
     assert vmm_processes(daemon.state) == [] and list((daemon.state / "machines").iterdir()) == []
+
+
+PROBE_SMOLFILE = f"""
+image = "default"
+cpus = {VM_CPUS}
+memory = "512M"
+# the "agent" looks for the tests, then plants its own at their path
+task = "if [ -e /tests ]; then echo seen; else echo absent; fi > /root/seen; mkdir -p /tests; echo exit 0 > /tests/probe.sh; touch /tests/planted"
+[verifier.mounts]
+"tests" = "/tests"
+[timeouts]
+boot = 900
+[[verifier.checks]]
+name = "genuine tests, unseen by the task"
+kind = "command"
+run = "cat /root/seen; test ! -e /tests/planted && sh /tests/probe.sh"
+"""
+
+
+def test_verifier_mounts_arrive_only_for_the_verifier_and_replace_what_the_task_planted(
+        daemon: Daemon, workdir: Path) -> None:
+    task = workdir / "probe"
+    (task / "tests").mkdir(parents=True)
+    (task / "tests" / "probe.sh").write_text("echo genuine; grep -qx absent /root/seen\n")
+    (task / "Smolfile.toml").write_text(PROBE_SMOLFILE)
+    r = subprocess.run(daemon.smolctl_argv("run", "--json", str(task)), capture_output=True, timeout=1500)
+    assert r.returncode == 0, (r.stdout.decode()[-3000:], r.stderr.decode(), daemon.log.read_text()[-3000:])
+    doc = json.loads(r.stdout)
+    (check,) = doc["result"]["checks"]
+    assert check["passed"] and "absent\ngenuine" in check["evidence"]["output_tail"], check
+    assert [s["name"] for s in doc["steps"]] == ["boot", "task"]
 
 
 def test_kill_9_restart_readopt_and_destroy(daemon: Daemon, workdir: Path) -> None:

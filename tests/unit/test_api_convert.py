@@ -257,3 +257,15 @@ def test_an_undecided_check_travels_as_a_verifier_error_with_its_outcome():
     ok = VerifyResult(passed=True, checks=(CheckResult("z", "command", True, Evidence(0, "", 1, "exit 0")),))
     msg = wire(convert.verify_result_to_proto(ok))
     assert msg.outcome == pb.OUTCOME_PASS and msg.outcome_detail == "all 1 checks passed"
+
+
+def test_verifier_mounts_round_trip_in_an_inline_spec_and_are_validated():
+    s = parse_smolfile('[mounts]\n"task" = "/task"\n[verifier.mounts]\n"tests" = "/tests"\n"t2" = "/t2"\n',
+                       base_dir="/srv/t")
+    msg = wire(convert.smolfile_to_spec_proto(s))
+    assert [(m.host_path, m.guest_path) for m in msg.verifier_mounts] == [("tests", "/tests"), ("t2", "/t2")]
+    assert convert.smolfile_from_spec_proto(msg) == s
+    msg.verifier_mounts.add(host_path="tests", guest_path="/again")
+    with pytest.raises(SmolfileError) as info:
+        convert.smolfile_from_spec_proto(msg)
+    assert info.value.key == "[verifier.mounts].tests" and info.value.reason == "duplicate host path"

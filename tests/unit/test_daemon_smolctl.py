@@ -223,3 +223,38 @@ def test_a_run_whose_setup_fails_is_an_infra_error_exit_2(daemon: DaemonProcess,
     assert "stopped before the verifier: setup[0] failed" in text, text
     r = daemon.smolctl("run", "--json", str(sf))
     assert r.returncode == 2 and json.loads(r.stdout)["outcome"] == "OUTCOME_INFRA_ERROR", r.stdout
+
+
+def test_verifier_mounts_are_in_only_while_the_checks_run(daemon: DaemonProcess, guest: Path) -> None:
+    """[verifier.mounts] (host agent: guest paths are host paths): the task does not see them, what it planted at
+    their path (a file, a symlink out) is replaced, and after a Verify they are gone again."""
+    d = guest / "task"
+    (d / "tests").mkdir(parents=True)
+    (d / "tests" / "check.sh").write_text("echo genuine\n")
+    dest, seen, elsewhere = guest / "t", guest / "seen", guest / "elsewhere"
+    elsewhere.mkdir()
+    (d / "Smolfile.toml").write_text(f'''memory = 256
+task = "if [ -e {dest} ]; then echo seen; else echo absent; fi > {seen}; ln -s {elsewhere} {dest}"
+[verifier.mounts]
+"tests" = "{dest}"
+[[verifier.checks]]
+kind = "command"
+run = "test ! -L {dest} && sh {dest}/check.sh"
+''')
+    r = daemon.smolctl("run", str(d))
+    text = r.stdout.decode()
+    assert r.returncode == 0 and text.startswith("PASS  1/1 checks passed"), (text, r.stderr)
+    assert seen.read_text() == "absent\n"
+    assert list(elsewhere.iterdir()) == []          # the copy did not follow the task's symlink
+    assert not re.search(r"^  ok    mount", text, re.M)   # not a create-time step
+
+    shutil.rmtree(dest)
+    mid = out(daemon.smolctl("create", str(d))).strip()
+    try:
+        assert not dest.exists()
+        dest.write_text("planted by the agent")
+        r = daemon.smolctl("verify", mid)
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert not dest.exists()                      # removed once the checks ended
+    finally:
+        out(daemon.smolctl("rm", mid))

@@ -20,6 +20,7 @@ from smold.smolfile import (
     Smolfile,
     SmolfileError,
     Timeouts,
+    boot_state_digest,
     check_mount_sources,
     digest,
     load_smolfile,
@@ -608,3 +609,46 @@ def test_image_accepts_registry_refs_and_local_paths(image: str) -> None:
 def test_image_rejects_malformed(image: str) -> None:
     with pytest.raises(SmolfileError):
         parse_smolfile(f'image = "{image}"'.encode(), base_dir=BASE)
+
+
+# --- [verifier.mounts] ----------------------------------------------------------------------------------------
+def test_verifier_mounts_parse_round_trip_and_leave_other_digests_alone(tmp_path):
+    (tmp_path / "task").mkdir()
+    (tmp_path / "tests").mkdir()
+    text = '[mounts]\n"task" = "/task"\n[verifier.mounts]\n"tests" = "/tests"\n'
+    (tmp_path / "Smolfile.toml").write_text(text)
+    s = load_smolfile(tmp_path / "Smolfile.toml")
+    assert [(m.host, m.guest) for m in s.verifier_mounts] == [("tests", "/tests")]
+    assert [(p, m.host) for p, m in s.all_mounts] == [(("mounts",), "task"), (("verifier", "mounts"), "tests")]
+    without = parse('[mounts]\n"task" = "/task"\n', base_dir=str(tmp_path))
+    assert digest(s) != digest(without)
+    # a Smolfile without them digests as before they existed (no empty "mounts" under "verifier")
+    assert "mounts" not in to_mapping(without)["verifier"]
+    assert to_mapping(s)["verifier"]["mounts"] == {"tests": "/tests"}
+    # they are not part of the machine's state at create time, so not of its bake
+    assert boot_state_digest(s) == boot_state_digest(without)
+    (tmp_path / "tests").rmdir()
+    with pytest.raises(SmolfileError) as info:
+        load_smolfile(tmp_path / "Smolfile.toml")
+    assert info.value.key == "[verifier.mounts].tests" and "does not exist" in info.value.reason
+
+
+@pytest.mark.parametrize(
+    "toml, reason",
+    [
+        ('[verifier.mounts]\n".." = "/x"', "host path escapes the Smolfile's directory"),
+        ('[mounts]\n"a" = "/w"\n[verifier.mounts]\n"t" = "/w/tests"',
+         "guest path '/w/tests' overlaps '/w' (mount of 'a'): a verifier mount may not replace or sit inside a "
+         "task mount"),
+        ('[mounts]\n"." = "/w"\n[verifier.mounts]\n"t" = "/t"',
+         "host path 't' overlaps the task mount of '.', which would copy it into the guest before the task: narrow "
+         "that mount"),
+        ('[mounts]\n"t/x" = "/x"\n[verifier.mounts]\n"t" = "/t"',
+         "host path 't' overlaps the task mount of 't/x', which would copy it into the guest before the task: "
+         "narrow that mount"),
+    ],
+)
+def test_verifier_mount_errors(toml, reason):
+    e = error(toml)
+    assert e.key.startswith("[verifier.mounts].") and e.reason == reason
+    assert [m.host for m in parse('[mounts]\n"tx" = "/x"\n[verifier.mounts]\n"t" = "/t"').verifier_mounts] == ["t"]

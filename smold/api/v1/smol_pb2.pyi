@@ -152,7 +152,7 @@ class SmolfileToml(_message.Message):
     def __init__(self, text: _Optional[str] = ..., base_dir: _Optional[str] = ..., filename: _Optional[str] = ...) -> None: ...
 
 class SmolfileSpec(_message.Message):
-    __slots__ = ("image", "cpus", "memory_mib", "network", "mounts", "env", "setup", "task", "timeouts", "checks", "base_dir")
+    __slots__ = ("image", "cpus", "memory_mib", "network", "mounts", "env", "setup", "task", "timeouts", "checks", "base_dir", "verifier_mounts")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class SmolfileSpec(_message.Message):
     TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
     CHECKS_FIELD_NUMBER: _ClassVar[int]
     BASE_DIR_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_MOUNTS_FIELD_NUMBER: _ClassVar[int]
     image: str
     cpus: int
     memory_mib: int
@@ -182,7 +183,8 @@ class SmolfileSpec(_message.Message):
     timeouts: Timeouts
     checks: _containers.RepeatedCompositeFieldContainer[Check]
     base_dir: str
-    def __init__(self, image: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., env: _Optional[_Mapping[str, str]] = ..., setup: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., task: _Optional[_Union[Command, _Mapping]] = ..., timeouts: _Optional[_Union[Timeouts, _Mapping]] = ..., checks: _Optional[_Iterable[_Union[Check, _Mapping]]] = ..., base_dir: _Optional[str] = ...) -> None: ...
+    verifier_mounts: _containers.RepeatedCompositeFieldContainer[Mount]
+    def __init__(self, image: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., env: _Optional[_Mapping[str, str]] = ..., setup: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., task: _Optional[_Union[Command, _Mapping]] = ..., timeouts: _Optional[_Union[Timeouts, _Mapping]] = ..., checks: _Optional[_Iterable[_Union[Check, _Mapping]]] = ..., base_dir: _Optional[str] = ..., verifier_mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ...) -> None: ...
 
 class NetworkPolicy(_message.Message):
     __slots__ = ("allow", "forward")
