@@ -37,6 +37,7 @@ import hashlib
 import json
 import lzma
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -239,7 +240,7 @@ echo $! > /run/rig-heartbeat.pid
 [ -c /dev/kvm ] || rigfail "kvm_amd loaded but /dev/kvm is missing"
 chmod 0666 /dev/kvm
 for m in tun loop vhost_vsock nf_tables veth bridge br_netfilter; do modprobe -q $m 2>/dev/null || true; done
-echo "kvm-rig: $(nproc) CPUs, $(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024)) MiB, kernel $(uname -r)," \
+echo "kvm-rig: QEMU @QEMU@, $(nproc) CPUs, $(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024)) MiB, kernel $(uname -r)," \
      "$(dmesg | grep -o 'Nested Paging enabled' | head -1), booted in $(cut -d' ' -f1 /proc/uptime) s" >> $J/output
 python3 - <<'EOF' || rigfail "job.json: bad job description"
 import json, os, shlex
@@ -366,6 +367,16 @@ def default_memory_mib() -> int:
     return max(4096, min(16384, total // 2))
 
 
+def qemu_version(qemu: str) -> tuple[int, ...]:
+    """QEMU's version from ``--version`` ("QEMU emulator version 10.0.2 (Debian ...)"); (0,) when unreadable."""
+    try:
+        out = subprocess.run([qemu, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return (0,)
+    m = re.search(r"version (\d+)\.(\d+)(?:\.(\d+))?", out)
+    return tuple(int(g) for g in m.groups() if g is not None) if m else (0,)
+
+
 def qemu_argv(qemu: str, tree: KernelTree, initramfs: Path, jobdir: Path, cpus: int, memory_mib: int,
               shares: list[str] | tuple[str, ...] = ()) -> list[str]:
     cmdline = ("console=ttyS0 panic=-1 loglevel=4 mitigations=off random.trust_cpu=on "
@@ -419,6 +430,10 @@ class Rig:
         qemu = shutil.which(self.args.qemu) or self.args.qemu
         if not os.path.exists(qemu):
             raise RigError(f"{self.args.qemu} is not installed (apt-get install qemu-system-x86)")
+        version = qemu_version(qemu)
+        if version < (10, 0):
+            log(f"warning: QEMU {'.'.join(map(str, version))} is older than 10.0; its TCG panicked the rig's kernel "
+                "in 2 of 4 VM-tier runs (docs/kvm-rig.md); scripts/setup ci installs 10.0 from bookworm-backports")
         busybox = Path(self.args.busybox)
         if not busybox.is_file():
             raise RigError(f"{busybox} is missing (apt-get install busybox-static)")
@@ -426,7 +441,8 @@ class Rig:
         initramfs = build_initramfs(tree, busybox, default_cache_root())
         kvm_load = "false" if self.args.break_kvm else "modprobe kvm_amd"
         init = (RIG_INIT.replace("@MODULES@", str(tree.modules)).replace("@KVER@", tree.version)
-                .replace("@KVM_LOAD@", kvm_load).replace("@MSIZE@", str(MSIZE)))
+                .replace("@KVM_LOAD@", kvm_load).replace("@MSIZE@", str(MSIZE))
+                .replace("@QEMU@", ".".join(map(str, version))))
         (self.jobdir / "init").write_text(init)
         (self.jobdir / "init").chmod(0o755)
         (self.jobdir / "job.json").write_text(json.dumps(dataclasses.asdict(self.job)))

@@ -80,3 +80,14 @@ def test_find_tree_picks_a_kernel_with_kvm_modules(tmp_path: Path) -> None:
     assert tree is not None and tree.version == "1.0-amd64"
     with pytest.raises(kvm_rig.RigError, match="modules.dep"):
         tree.check()
+
+
+def test_qemu_version_from_its_banner_or_zero(tmp_path: Path) -> None:
+    fake = tmp_path / "qemu"
+    fake.write_text("#!/bin/sh\necho 'QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2+deb13u1~bpo12+1)'\n")
+    fake.chmod(0o755)
+    assert kvm_rig.qemu_version(str(fake)) == (10, 0, 2)
+    fake.write_text("#!/bin/sh\necho 'something else'\n")
+    assert kvm_rig.qemu_version(str(fake)) == (0,)
+    assert kvm_rig.qemu_version(str(tmp_path / "missing")) == (0,)
+    assert (7, 2) < (10, 0) <= (10, 0, 2)     # how prepare() compares them
