@@ -115,11 +115,14 @@ def verdict(result: pb.VerifyResult | pb.RunResponse) -> str:
     return "PASS" if passed else "FAIL"
 
 
+# smolctl's exit status per verdict (docs/verifier.md, "Outcomes"); 2 stays "the request failed": a harness can
+# retry INFRA_ERROR (smol could not run the attempt) and keep VERIFIER_ERROR as evidence about the agent's work
+VERDICT_EXIT = {"PASS": 0, "FAIL": 1, "VERIFIER_ERROR": 3, "INFRA_ERROR": 4}
+
+
 def verdict_exit(result: pb.VerifyResult | pb.RunResponse) -> int:
-    """smolctl's exit status for a verdict: 0 pass, 1 fail, 2 no verdict (verifier or infra error, as for any
-    other error)."""
-    word = verdict(result)
-    return 0 if word == "PASS" else 1 if word == "FAIL" else 2
+    """smolctl's exit status for a verdict: 0 pass, 1 fail, 3 verifier error, 4 infra error."""
+    return VERDICT_EXIT[verdict(result)]
 
 
 def verify_result(result: pb.VerifyResult, *, verbose: bool = False) -> list[str]:

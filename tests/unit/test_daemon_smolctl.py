@@ -197,32 +197,32 @@ def test_examples_pass_and_fail_with_evidence(daemon: DaemonProcess, guest: Path
     assert re.search(r"^  FAIL  reward .*reward 0 < threshold 1", text, re.M)
 
 
-def test_a_check_that_kills_the_guest_agent_is_a_verifier_error_exit_2(daemon: DaemonProcess, guest: Path) -> None:
+def test_a_check_that_kills_the_guest_agent_is_a_verifier_error_exit_3(daemon: DaemonProcess, guest: Path) -> None:
     """The agent under test may break the harness during verification: the verdict is then verifier_error
-    (exit 2, the check marked ERROR with why), never a pass, a plain fail or an INTERNAL error of the daemon."""
+    (exit 3, the check marked ERROR with why), never a pass, a plain fail or an INTERNAL error of the daemon."""
     sf = smolfile_dir(guest, 'memory = 256\n[[verifier.checks]]\nkind = "command"\nname = "rigged"\n'
                              'run = "kill -9 $PPID; sleep 5"\n')
     mid = out(daemon.smolctl("create", str(sf))).strip()
     try:
         r = daemon.smolctl("verify", mid)
         text = r.stdout.decode()
-        assert r.returncode == 2 and text.startswith("VERIFIER_ERROR  0/1 checks passed"), (text, r.stderr)
+        assert r.returncode == 3 and text.startswith("VERIFIER_ERROR  0/1 checks passed"), (text, r.stderr)
         assert re.search(r"^  ERROR  rigged  ", text, re.M), text
         assert "verifier_error: 1 of 1 checks could not be decided: rigged: " in text, text
     finally:
         out(daemon.smolctl("rm", mid))
 
 
-def test_a_run_whose_setup_fails_is_an_infra_error_exit_2(daemon: DaemonProcess, guest: Path) -> None:
-    """No verdict on the agent's work when smol could not run the attempt: INFRA_ERROR, exit 2, and why."""
+def test_a_run_whose_setup_fails_is_an_infra_error_exit_4(daemon: DaemonProcess, guest: Path) -> None:
+    """No verdict on the agent's work when smol could not run the attempt: INFRA_ERROR, exit 4, and why."""
     sf = smolfile_dir(guest, 'memory = 256\nsetup = ["echo preparing; exit 3"]\ntask = "true"\n'
                              '[[verifier.checks]]\nkind = "command"\nrun = "true"\n')
     r = daemon.smolctl("run", str(sf))
     text = r.stdout.decode()
-    assert r.returncode == 2 and text.startswith("INFRA_ERROR  0/0 checks passed"), (text, r.stderr)
+    assert r.returncode == 4 and text.startswith("INFRA_ERROR  0/0 checks passed"), (text, r.stderr)
     assert "stopped before the verifier: setup[0] failed" in text, text
     r = daemon.smolctl("run", "--json", str(sf))
-    assert r.returncode == 2 and json.loads(r.stdout)["outcome"] == "OUTCOME_INFRA_ERROR", r.stdout
+    assert r.returncode == 4 and json.loads(r.stdout)["outcome"] == "OUTCOME_INFRA_ERROR", r.stdout
 
 
 def test_verifier_mounts_are_in_only_while_the_checks_run(daemon: DaemonProcess, guest: Path) -> None:
