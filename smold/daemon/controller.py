@@ -49,6 +49,7 @@ from smold.api.machine import (
 from smold.net import AddressPool, ForwardError, NetError, NetworkManager, VmNetwork
 from smold.smolfile import (
     Check,
+    RewardCheck,
     Smolfile,
     SmolfileError,
     check_mount_sources,
@@ -862,8 +863,27 @@ class Controller:
 
     async def _run_checks(self, m: Machine, client: AgentClient, checks: Sequence[Check] | None) -> VerifyResult:
         sf = m.smolfile
-        return await verify(client, sf.checks if checks is None else checks, env=m.environ or None,
-                            timeout=sf.timeouts.verify, image_digest=m.image_digest, smolfile_digest=m.smolfile_digest)
+        checks = sf.checks if checks is None else checks
+        # A reward is what this verification's checks wrote, never a file the task planted: the reward files the
+        # reward checks read are removed first. If that fails the verdict is undecided, never a planted pass.
+        rewards = sorted({p for c in checks if isinstance(c, RewardCheck) for p in c.candidate_paths})
+        if rewards:
+            start = time.monotonic()
+            detail = ""
+            try:
+                res = await client.run(["rm", "-f", "--", *rewards], timeout=60)
+                if res.exit_code != 0:
+                    detail = (res.stderr or res.stdout).decode(errors="replace").strip()[-500:] or str(res.exit_code)
+            except (AgentError, OSError) as e:
+                detail = str(e)
+            if detail:
+                undecided = CheckResult("clear reward files", "reward", False,
+                                        Evidence(duration_ms=_ms_since(start),
+                                                 detail=f"removing stale reward files {', '.join(rewards)} failed: "
+                                                        f"{detail}"), error=True)
+                return VerifyResult(False, (undecided,), m.image_digest, m.smolfile_digest, _ms_since(start))
+        return await verify(client, checks, env=m.environ or None, timeout=sf.timeouts.verify,
+                            image_digest=m.image_digest, smolfile_digest=m.smolfile_digest)
 
     # --- OCI images ---------------------------------------------------------------------------------------------
     async def pull_image(self, ref: str) -> Any:

@@ -309,7 +309,9 @@ def task_dir(env: Env, task_cmd: str, *, setup: str = "true") -> Path:
     g = env.guest
     d = env.dir / "task"
     (d / "files").mkdir(parents=True, exist_ok=True)
-    (d / "files" / "check.sh").write_text(f"#!/bin/sh\ngrep -qx 42 {g}/work/answer\n")
+    # the suite writes the reward, as a Harbor task's tests do (one the task wrote is removed before the checks)
+    (d / "files" / "check.sh").write_text(f"#!/bin/sh\nif grep -qx 42 {g}/work/answer; then echo 1 > {g}/logs/reward.txt; "
+                                          f"else echo 0 > {g}/logs/reward.txt; exit 1; fi\n")
     (d / "files" / "check.sh").chmod(0o755)
     (d / "Smolfile.toml").write_text(f"""
 cpus = 1

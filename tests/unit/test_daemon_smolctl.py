@@ -258,3 +258,19 @@ run = "test ! -L {dest} && sh {dest}/check.sh"
         assert not dest.exists()                      # removed once the checks ended
     finally:
         out(daemon.smolctl("rm", mid))
+
+
+def test_a_reward_file_the_task_planted_is_never_read(daemon: DaemonProcess, guest: Path) -> None:
+    """The reward checks read what this verification's checks wrote: a reward file the task left is removed first."""
+    reward = guest / "logs" / "reward.txt"
+    planted = smolfile_dir(guest, f'memory = 256\ntask = "mkdir -p {reward.parent} && echo 1 > {reward}"\n'
+                                  f'[[verifier.checks]]\nkind = "reward"\npath = "{reward}"\n')
+    r = daemon.smolctl("run", str(planted))
+    text = r.stdout.decode()
+    assert r.returncode == 1 and text.startswith("FAIL  0/1 checks passed"), (text, r.stderr)
+    assert f"no reward file (looked for {reward})" in text, text
+    honest = smolfile_dir(guest, f'memory = 256\ntask = "mkdir -p {reward.parent} && echo 1 > {reward}"\n'
+                                 f'[[verifier.checks]]\nkind = "command"\nname = "tests"\nrun = "echo 1 > {reward}"\n'
+                                 f'[[verifier.checks]]\nkind = "reward"\npath = "{reward}"\n')
+    r = daemon.smolctl("run", str(honest))
+    assert r.returncode == 0 and r.stdout.decode().startswith("PASS  2/2 checks passed"), (r.stdout, r.stderr)
