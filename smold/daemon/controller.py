@@ -32,6 +32,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from dataclasses import replace as replace_fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -846,14 +847,25 @@ class Controller:
             # [verifier.mounts]: in only now, so the task never saw them; whatever the task left at their paths
             # is removed first. A copy that fails leaves the verdict undecided (verifier_error), with why.
             start = time.monotonic()
+
+            def undecided(name: str, evidence: Evidence) -> VerifyResult:
+                check = CheckResult(name, "mount", False, evidence, error=True)
+                return VerifyResult(False, (check,), m.image_digest, m.smolfile_digest, _ms_since(start))
+
+            # the sources are checked again now, not only at create: a client could have swapped one for a symlink
+            # out of the task directory (or out of --mount-root) since, and a restored machine was never checked
+            only = replace_fields(sf, mounts=())
+            try:
+                await asyncio.to_thread(check_mount_sources, only)
+                await asyncio.to_thread(check_mount_roots, only, self.config.mount_roots, "Smolfile.toml")
+            except SmolfileError as e:
+                return undecided("verifier.mounts", Evidence(detail=str(e)))
             try:
                 for i, mount in enumerate(sf.verifier_mounts):
                     step = await self._copy_mount(m, client, i, sf.host_path(mount), mount.guest, replace=True,
                                                   name=f"verifier.mounts[{i}]")
                     if not step.ok:
-                        undecided = CheckResult(step.name, "mount", False, step.evidence, error=True)
-                        return VerifyResult(False, (undecided,), m.image_digest, m.smolfile_digest,
-                                            _ms_since(start))
+                        return undecided(step.name, step.evidence)
                 return await self._run_checks(m, client, checks)
             finally:
                 # out again, so that a task that goes on after a Verify (or a snapshot of it) does not see them

@@ -274,3 +274,28 @@ def test_a_reward_file_the_task_planted_is_never_read(daemon: DaemonProcess, gue
                                  f'[[verifier.checks]]\nkind = "reward"\npath = "{reward}"\n')
     r = daemon.smolctl("run", str(honest))
     assert r.returncode == 0 and r.stdout.decode().startswith("PASS  2/2 checks passed"), (r.stdout, r.stderr)
+
+
+def test_a_verifier_mount_swapped_for_a_symlink_after_create_is_not_copied(daemon: DaemonProcess,
+                                                                           guest: Path) -> None:
+    """The daemon reads verifier mount sources at verification time, so it checks them again then: a source a
+    client replaced by a symlink out of the task directory is refused (verifier_error), and nothing is copied."""
+    d = guest / "swap"
+    (d / "tests").mkdir(parents=True)
+    secret = guest / "secret"
+    secret.mkdir()
+    (secret / "key").write_text("not for the guest")
+    dest = guest / "vt"
+    (d / "Smolfile.toml").write_text(f'memory = 256\n[verifier.mounts]\n"tests" = "{dest}"\n'
+                                     f'[[verifier.checks]]\nkind = "command"\nrun = "true"\n')
+    mid = out(daemon.smolctl("create", str(d))).strip()
+    try:
+        (d / "tests").rmdir()
+        (d / "tests").symlink_to(secret)
+        r = daemon.smolctl("verify", mid)
+        text = r.stdout.decode()
+        assert r.returncode == 3 and text.startswith("VERIFIER_ERROR"), (text, r.stderr)
+        assert f"host path resolves to {secret}, outside {d}" in text, text
+        assert not dest.exists()
+    finally:
+        out(daemon.smolctl("rm", mid))
