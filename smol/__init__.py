@@ -27,6 +27,7 @@ from .types import (
     Stderr,
     Stdout,
     StepResult,
+    StoredResult,
     VerifyResult,
 )
 
@@ -34,6 +35,6 @@ __all__ = [
     "AlreadyExistsError", "AsyncClient", "AsyncMachine", "CancelledError", "CheckResult", "Client",
     "DeadlineExceededError", "ExecEvent", "ExecResult", "ExecStreamError", "Exit", "FailedPreconditionError",
     "InternalError", "InvalidArgumentError", "Machine", "MachineInfo", "NotFoundError", "PermissionDeniedError",
-    "ResourceExhaustedError", "RunResult", "SmolError", "Stderr", "StepResult", "Stdout", "UnavailableError",
-    "UnimplementedError", "VerifyResult",
+    "ResourceExhaustedError", "RunResult", "SmolError", "Stderr", "Stdout", "StepResult", "StoredResult",
+    "UnavailableError", "UnimplementedError", "VerifyResult",
 ]

@@ -23,6 +23,7 @@ from .types import (
     ExecResult,
     MachineInfo,
     RunResult,
+    StoredResult,
     VerifyResult,
     exec_event_from_proto,
 )
@@ -177,9 +178,21 @@ class AsyncClient:
         return VerifyResult.from_proto(resp.result)
 
     async def run(self, smolfile: PathLike | None = None, *, toml: str | None = None,
-                  base_dir: PathLike | None = None, name: str = "") -> RunResult:
-        req = pb.RunRequest(smolfile=c.smolfile_message(smolfile, toml=toml, base_dir=base_dir), name=name)
+                  base_dir: PathLike | None = None, name: str = "",
+                  labels: Mapping[str, str] | None = None) -> RunResult:
+        req = pb.RunRequest(smolfile=c.smolfile_message(smolfile, toml=toml, base_dir=base_dir), name=name,
+                            labels=dict(labels or {}))
         return RunResult.from_proto(await self._call(self._stub.Run(req, timeout=self.timeout)))
+
+    async def get_result(self, result_id: str, *, wait: float | None = None) -> StoredResult:
+        req = pb.GetResultRequest(id=result_id, wait_seconds=wait)
+        return StoredResult.from_proto((await self._call(self._stub.GetResult(req, timeout=self.timeout))).result)
+
+    async def list_results(self, *, labels: Mapping[str, str] | None = None, kind: str = "",
+                           limit: int = 0) -> builtins.list[StoredResult]:
+        req = pb.ListResultsRequest(labels=dict(labels or {}), kind=kind, limit=limit)
+        resp = await self._call(self._stub.ListResults(req, timeout=self.timeout))
+        return [StoredResult.from_proto(r) for r in resp.results]
 
 
 class AsyncMachine(c.MachineHandle[AsyncClient]):

@@ -21,6 +21,7 @@ from .types import (
     ExecResult,
     MachineInfo,
     RunResult,
+    StoredResult,
     VerifyResult,
     exec_event_from_proto,
 )
@@ -154,10 +155,24 @@ class Client:
         return VerifyResult.from_proto(resp.result)
 
     def run(self, smolfile: PathLike | None = None, *, toml: str | None = None, base_dir: PathLike | None = None,
-            name: str = "") -> RunResult:
-        """One shot: create, set up, run the task, verify, destroy."""
-        req = pb.RunRequest(smolfile=c.smolfile_message(smolfile, toml=toml, base_dir=base_dir), name=name)
+            name: str = "", labels: Mapping[str, str] | None = None) -> RunResult:
+        """One shot: create, set up, run the task, verify, destroy. The result is stored (``result_id``) with
+        ``labels``; if this client goes away first, the Run still ends and get_result() has it."""
+        req = pb.RunRequest(smolfile=c.smolfile_message(smolfile, toml=toml, base_dir=base_dir), name=name,
+                            labels=dict(labels or {}))
         return RunResult.from_proto(self._call(self._stub.Run, req))
+
+    def get_result(self, result_id: str, *, wait: float | None = None) -> StoredResult:
+        """A stored Run or Verify result; ``wait``: first wait up to that many seconds for a running Run."""
+        req = pb.GetResultRequest(id=result_id, wait_seconds=wait)
+        return StoredResult.from_proto(self._call(self._stub.GetResult, req).result)
+
+    def list_results(self, *, labels: Mapping[str, str] | None = None, kind: str = "",
+                     limit: int = 0) -> builtins.list[StoredResult]:
+        """Stored results, newest first, without their evidence (get_result has it); only those carrying every
+        label given; ``kind``: "run" or "verify"; ``limit`` 0: 100."""
+        req = pb.ListResultsRequest(labels=dict(labels or {}), kind=kind, limit=limit)
+        return [StoredResult.from_proto(r) for r in self._call(self._stub.ListResults, req).results]
 
 
 class Machine(c.MachineHandle[Client]):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 
 from smold.api.v1 import smol_pb2 as pb
 
@@ -159,6 +159,7 @@ class VerifyResult:
     duration_ms: int = 0
     outcome: str = ""            # "pass", "fail" or "verifier_error" (docs/verifier.md, "Outcomes")
     outcome_detail: str = ""     # one line: why
+    result_id: str = ""          # Verify: the stored result (Client.get_result)
 
     @classmethod
     def from_proto(cls, r: pb.VerifyResult) -> VerifyResult:
@@ -169,7 +170,8 @@ class VerifyResult:
                   for c in r.checks]
         outcome = OUTCOME_NAMES.get(r.outcome, "")
         return cls(passed=r.passed, checks=checks, image_digest=r.image_digest, smolfile_digest=r.smolfile_digest,
-                   duration_ms=r.duration_ms, outcome=outcome, outcome_detail=r.outcome_detail)
+                   duration_ms=r.duration_ms, outcome=outcome, outcome_detail=r.outcome_detail,
+                   result_id=r.result_id)
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,7 @@ class RunResult:
     duration_ms: int
     outcome: str = ""            # "pass", "fail", "verifier_error" or "infra_error" (docs/verifier.md)
     outcome_detail: str = ""
+    result_id: str = ""          # the stored result (Client.get_result): kept even if the client had gone
 
     @property
     def passed(self) -> bool:
@@ -210,4 +213,37 @@ class RunResult:
                  for s in r.steps]
         return cls(result=VerifyResult.from_proto(r.result), steps=steps, machine_id=r.machine_id, error=r.error,
                    duration_ms=r.duration_ms, outcome=OUTCOME_NAMES.get(r.outcome, ""),
-                   outcome_detail=r.outcome_detail)
+                   outcome_detail=r.outcome_detail, result_id=r.result_id)
+
+
+RESULT_STATE_NAMES = {v: k.removeprefix("RESULT_STATE_").lower() for k, v in pb.ResultState.items() if v}
+
+
+@dataclass(frozen=True)
+class StoredResult:
+    """A Run or Verify result from the daemon's result store (docs/verifier.md, "Results")."""
+
+    id: str
+    kind: str                    # "run" or "verify"
+    state: str                   # "running", "done" or "interrupted"
+    outcome: str                 # "" while running; else "pass", "fail", "verifier_error", "infra_error", "interrupted"
+    outcome_detail: str
+    labels: dict[str, str]
+    created_at: datetime
+    finished_at: datetime | None
+    machine_id: str
+    run: RunResult | None = None        # kind "run", done (get_result only: list_results leaves it out)
+    verify: VerifyResult | None = None  # kind "verify" (get_result only)
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == "pass"
+
+    @classmethod
+    def from_proto(cls, r: pb.StoredResult) -> StoredResult:
+        return cls(id=r.id, kind=r.kind, state=RESULT_STATE_NAMES.get(r.state, ""),
+                   outcome=OUTCOME_NAMES.get(r.outcome, ""), outcome_detail=r.outcome_detail, labels=dict(r.labels),
+                   created_at=r.created_at.ToDatetime(tzinfo=UTC),
+                   finished_at=r.finished_at.ToDatetime(tzinfo=UTC) if r.HasField("finished_at") else None,
+                   machine_id=r.machine_id, run=RunResult.from_proto(r.run) if r.HasField("run") else None,
+                   verify=VerifyResult.from_proto(r.verify) if r.HasField("verify") else None)

@@ -103,7 +103,8 @@ def _evidence_line(ev: pb.Evidence) -> str:
     return "  ".join(bits)
 
 
-UNDECIDED = {pb.OUTCOME_VERIFIER_ERROR: "VERIFIER_ERROR", pb.OUTCOME_INFRA_ERROR: "INFRA_ERROR"}
+UNDECIDED = {pb.OUTCOME_VERIFIER_ERROR: "VERIFIER_ERROR", pb.OUTCOME_INFRA_ERROR: "INFRA_ERROR",
+             pb.OUTCOME_INTERRUPTED: "INTERRUPTED"}
 
 
 def verdict(result: pb.VerifyResult | pb.RunResponse) -> str:
@@ -117,12 +118,49 @@ def verdict(result: pb.VerifyResult | pb.RunResponse) -> str:
 
 # smolctl's exit status per verdict (docs/verifier.md, "Outcomes"); 2 stays "the request failed": a harness can
 # retry INFRA_ERROR (smol could not run the attempt) and keep VERIFIER_ERROR as evidence about the agent's work
-VERDICT_EXIT = {"PASS": 0, "FAIL": 1, "VERIFIER_ERROR": 3, "INFRA_ERROR": 4}
+VERDICT_EXIT = {"PASS": 0, "FAIL": 1, "VERIFIER_ERROR": 3, "INFRA_ERROR": 4, "INTERRUPTED": 5, "RUNNING": 6}
 
 
 def verdict_exit(result: pb.VerifyResult | pb.RunResponse) -> int:
     """smolctl's exit status for a verdict: 0 pass, 1 fail, 3 verifier error, 4 infra error."""
     return VERDICT_EXIT[verdict(result)]
+
+
+RESULT_STATES = {v: k.removeprefix("RESULT_STATE_").lower() for k, v in pb.ResultState.items()}
+
+
+def stored_verdict(r: pb.StoredResult) -> str:
+    """A stored result's verdict word: RUNNING while it runs, else as verdict() (INTERRUPTED included)."""
+    if r.state == pb.RESULT_STATE_RUNNING:
+        return "RUNNING"
+    if r.outcome in UNDECIDED:
+        return UNDECIDED[r.outcome]
+    return "PASS" if r.outcome == pb.OUTCOME_PASS else "FAIL"
+
+
+def results_table(results: list[pb.StoredResult]) -> str:
+    rows: list[tuple[str, ...]] = [("ID", "KIND", "VERDICT", "AGE", "SECONDS", "MACHINE", "LABELS")]
+    now = time.time()
+    for r in results:
+        start = r.created_at.ToSeconds()
+        took = f"{r.finished_at.ToSeconds() - start:.0f}" if r.HasField("finished_at") else "-"
+        labels = ",".join(f"{k}={v}" for k, v in sorted(r.labels.items())) or "-"
+        rows.append((r.id, r.kind, stored_verdict(r), _age(max(0.0, now - start)), took, r.machine_id or "-",
+                     labels))
+    return "\n".join(_table(rows))
+
+
+def stored_result(r: pb.StoredResult, *, verbose: bool = False) -> str:
+    """One stored result: its verdict line, then the Run's or Verify's evidence as `run`/`verify` print it."""
+    labels = ", ".join(f"{k}={v}" for k, v in sorted(r.labels.items()))
+    lines = [f"{r.id}  {r.kind}  {stored_verdict(r)}" + (f"  ({labels})" if labels else "")]
+    if r.outcome_detail and r.outcome != pb.OUTCOME_PASS:
+        lines.append(f"{stored_verdict(r).lower()}: {r.outcome_detail}")
+    if r.HasField("run"):
+        lines.append(run_result(r.run, verbose=verbose))
+    elif r.HasField("verify"):
+        lines += [verify_summary(r.verify), *verify_result(r.verify, verbose=verbose)]
+    return "\n".join(lines)
 
 
 def verify_result(result: pb.VerifyResult, *, verbose: bool = False) -> list[str]:
@@ -143,13 +181,15 @@ def verify_result(result: pb.VerifyResult, *, verbose: bool = False) -> list[str
 
 def verify_summary(result: pb.VerifyResult) -> str:
     passed = sum(c.passed for c in result.checks)
-    return f"{verdict(result)}  {passed}/{len(result.checks)} checks passed ({result.duration_ms / 1000:.2f}s)"
+    stored = f", result {result.result_id}" if result.result_id else ""
+    return f"{verdict(result)}  {passed}/{len(result.checks)} checks passed ({result.duration_ms / 1000:.2f}s{stored})"
 
 
 def run_result(resp: pb.RunResponse, *, verbose: bool = False) -> str:
     passed = sum(c.passed for c in resp.result.checks)
     lines = [f"{verdict(resp)}  {passed}/{len(resp.result.checks)} checks passed  "
-             f"(machine {resp.machine_id or '-'}, {resp.duration_ms / 1000:.1f}s)"]
+             f"(machine {resp.machine_id or '-'}, {resp.duration_ms / 1000:.1f}s"
+             + (f", result {resp.result_id})" if resp.result_id else ")")]
     if resp.error:
         lines.append(f"stopped before the verifier: {resp.error}")
     lines.append("steps:")

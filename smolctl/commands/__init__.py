@@ -2,9 +2,24 @@
 
 from types import ModuleType
 
-from . import checkpoint, cp, create, exec, fork, image, logs, ls, rm, run, run_task, snapshot, verify
+from . import (
+    checkpoint,
+    cp,
+    create,
+    exec,
+    fork,
+    image,
+    logs,
+    ls,
+    results,
+    rm,
+    run,
+    run_task,
+    snapshot,
+    verify,
+)
 
-COMMANDS: tuple[ModuleType, ...] = (create, ls, exec, cp, verify, rm, run, logs, snapshot, fork, checkpoint, image,
-                                    run_task)
+COMMANDS: tuple[ModuleType, ...] = (create, ls, exec, cp, verify, rm, run, results, logs, snapshot, fork, checkpoint,
+                                    image, run_task)
 
 __all__ = ["COMMANDS"]

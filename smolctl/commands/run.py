@@ -7,7 +7,7 @@ import argparse
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
-from ..client import smolfile_message
+from ..client import fail, smolfile_message
 from ..output import Progress, run_result, to_json, verdict_exit
 
 NAME = "run"
@@ -17,12 +17,26 @@ HELP = "run a task in a fresh machine and print the verifier's result (exit 0 pa
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("smolfile", help="a Smolfile.toml, or a directory holding one")
     p.add_argument("--name", default="", help="name of the (short-lived) machine")
+    p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                   help="keep this label with the stored result (repeatable; smolctl results --label finds it)")
     p.add_argument("--json", action="store_true", help="print the whole RunResponse as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="show output tails of passing steps and checks")
 
 
 def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
     with Progress(f"running {args.smolfile}"):
-        resp = stub.Run(pb.RunRequest(smolfile=smolfile_message(args.smolfile), name=args.name))
+        resp = stub.Run(pb.RunRequest(smolfile=smolfile_message(args.smolfile), name=args.name,
+                                      labels=parse_labels(args.label)))
     print(to_json(resp) if args.json else run_result(resp, verbose=args.verbose))
     return verdict_exit(resp)
+
+
+def parse_labels(items: list[str]) -> dict[str, str]:
+    """--label KEY=VALUE options as a dict (the daemon checks keys and values)."""
+    labels = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            fail(f"--label {item!r}: expected KEY=VALUE")
+        labels[key] = value
+    return labels

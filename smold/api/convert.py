@@ -37,8 +37,10 @@ from .machine import (
     MachineInfo,
     MachineState,
     NetworkReport,
+    ResultState,
     RunResult,
     StepResult,
+    StoredResult,
 )
 from .v1 import smol_pb2 as pb
 
@@ -201,7 +203,8 @@ def evidence_from_proto(msg: pb.Evidence) -> Evidence:
 
 
 OUTCOME_TO_PROTO = {Outcome.PASS: pb.OUTCOME_PASS, Outcome.FAIL: pb.OUTCOME_FAIL,
-                    Outcome.VERIFIER_ERROR: pb.OUTCOME_VERIFIER_ERROR, Outcome.INFRA_ERROR: pb.OUTCOME_INFRA_ERROR}
+                    Outcome.VERIFIER_ERROR: pb.OUTCOME_VERIFIER_ERROR, Outcome.INFRA_ERROR: pb.OUTCOME_INFRA_ERROR,
+                    Outcome.INTERRUPTED: pb.OUTCOME_INTERRUPTED}
 OUTCOME_FROM_PROTO = {v: k for k, v in OUTCOME_TO_PROTO.items()}
 
 
@@ -214,8 +217,9 @@ def check_result_from_proto(msg: pb.CheckResult) -> CheckResult:
     return CheckResult(msg.name, msg.kind, msg.passed, evidence_from_proto(msg.evidence), msg.error)
 
 
-def verify_result_to_proto(r: VerifyResult) -> pb.VerifyResult:
+def verify_result_to_proto(r: VerifyResult, result_id: str = "") -> pb.VerifyResult:
     return pb.VerifyResult(
+        result_id=result_id,
         passed=r.passed,
         checks=[check_result_to_proto(c) for c in r.checks],
         image_digest=r.image_digest,
@@ -244,8 +248,9 @@ def step_result_from_proto(msg: pb.StepResult) -> StepResult:
     return StepResult(msg.name, msg.ok, evidence_from_proto(msg.evidence))
 
 
-def run_result_to_proto(r: RunResult) -> pb.RunResponse:
+def run_result_to_proto(r: RunResult, result_id: str = "") -> pb.RunResponse:
     return pb.RunResponse(
+        result_id=result_id,
         result=verify_result_to_proto(r.result),
         steps=[step_result_to_proto(s) for s in r.steps],
         machine_id=r.machine_id,
@@ -267,6 +272,26 @@ def run_result_from_proto(msg: pb.RunResponse) -> RunResult:
         network=network_report_from_proto(msg.network) if msg.HasField("network") else None,
         error_outcome=OUTCOME_FROM_PROTO.get(msg.outcome, Outcome.INFRA_ERROR) if msg.error else Outcome.INFRA_ERROR,
     )
+
+
+RESULT_STATE_TO_PROTO = {ResultState.RUNNING: pb.RESULT_STATE_RUNNING, ResultState.DONE: pb.RESULT_STATE_DONE,
+                         ResultState.INTERRUPTED: pb.RESULT_STATE_INTERRUPTED}
+
+
+def stored_result_to_proto(r: StoredResult) -> pb.StoredResult:
+    """A stored row; its payload (RunResponse or VerifyResult bytes) goes into ``run`` or ``verify``."""
+    msg = pb.StoredResult(id=r.id, kind=r.kind, state=RESULT_STATE_TO_PROTO[r.state],
+                          outcome=OUTCOME_TO_PROTO[r.outcome] if r.outcome is not None else pb.OUTCOME_UNSPECIFIED,
+                          outcome_detail=r.outcome_detail, labels=dict(r.labels), machine_id=r.machine_id)
+    msg.created_at.FromDatetime(datetime.fromtimestamp(r.created_at, UTC))
+    if r.finished_at is not None:
+        msg.finished_at.FromDatetime(datetime.fromtimestamp(r.finished_at, UTC))
+    if r.payload:
+        if r.kind == "run":
+            msg.run.ParseFromString(r.payload)
+        else:
+            msg.verify.ParseFromString(r.payload)
+    return msg
 
 
 # --- exec events ------------------------------------------------------------------------------------------

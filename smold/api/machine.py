@@ -127,3 +127,28 @@ class RunResult:
     @property
     def outcome_detail(self) -> str:
         return self.error if self.error else self.result.outcome_detail
+
+
+class ResultState(enum.Enum):
+    """Where a stored result stands (proto: ResultState; docs/verifier.md, "Results")."""
+
+    RUNNING = "running"          # the Run is still going
+    DONE = "done"                # the outcome is final
+    INTERRUPTED = "interrupted"  # the daemon stopped or crashed during the Run; its machine was removed
+
+
+@dataclass(frozen=True)
+class StoredResult:
+    """One row of the result store. ``payload``: the RunResponse (kind "run") or VerifyResult (kind "verify")
+    as proto bytes, empty while running, when interrupted, and in listings."""
+
+    id: str
+    kind: str                            # "run" or "verify"
+    state: ResultState
+    outcome: Outcome | None              # None while running
+    outcome_detail: str
+    labels: tuple[tuple[str, str], ...]  # sorted by key
+    created_at: float                    # Unix time
+    finished_at: float | None
+    machine_id: str
+    payload: bytes = b""

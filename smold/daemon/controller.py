@@ -153,6 +153,7 @@ class Machine:
     image_env: tuple[tuple[str, str], ...] = ()
     image_cwd: str = ""
     image_user: str = ""
+    run_result: str = ""             # the result id of the Run this machine serves: never re-adopted
 
     @property
     def environ(self) -> dict[str, str]:
@@ -181,7 +182,7 @@ class Machine:
             smolfile=to_mapping(self.smolfile), smolfile_digest=self.smolfile_digest,
             base_dir=self.smolfile.base_dir, launcher=self.launcher, pid=proc.pid if proc else 0,
             argv=list(proc.argv) if proc else [], started=proc.started if proc else None,
-            failure_reason=self.failure_reason, checkpoint=str(self.checkpoint or ""))
+            failure_reason=self.failure_reason, checkpoint=str(self.checkpoint or ""), run_result=self.run_result)
 
     def save(self) -> None:
         with contextlib.suppress(OSError):  # the state dir may be gone (destroyed meanwhile)
@@ -265,6 +266,8 @@ class Controller:
         proc: AdoptedProcess | None = None
         if rec.id != d.name:
             why = f"record id {rec.id!r} does not match its directory"
+        elif rec.run_result:
+            why = f"it served Run {rec.run_result}, which the daemon's stop interrupted (stored as interrupted)"
         elif rec.phase != MachineState.RUNNING.value:
             why = f"it was {rec.phase} when the daemon stopped"
         elif rec.launcher != self.launcher.kind:
@@ -340,6 +343,10 @@ class Controller:
         if ref in self._destroyed:
             raise MachineNotFoundError(f"machine {ref} was destroyed")
         raise MachineNotFoundError(f"no machine {ref!r}")
+
+    def machine_id(self, ref: str) -> str:
+        """The id of the machine ``ref`` names (an id or a name); MachineNotFoundError otherwise."""
+        return self._lookup(ref).id
 
     def _running(self, ref: str) -> Machine:
         try:
@@ -454,7 +461,8 @@ class Controller:
                 f"{self.config.max_memory_mib} MiB in use")
 
     async def _create(self, smolfile: Smolfile, name: str, filename: str, steps: list[StepResult], *,
-                      restore: Path | None = None, image_digest: str = "", use_bake: bool = True) -> Machine:
+                      restore: Path | None = None, image_digest: str = "", use_bake: bool = True,
+                      run_result: str = "") -> Machine:
         """Boot (or, with ``restore``, restore that snapshot directory: no mounts, no setup) one machine.
         Without ``restore`` a verified bake matching the Smolfile and image is restored if there is one
         (unless ``use_bake`` is false); failing that, its base bake (the same machine before mounts, env and
@@ -480,7 +488,7 @@ class Controller:
             id=mid, name=name, smolfile=smolfile, image=image.name, image_digest=image_digest or image.digest,
             smolfile_digest=digest(smolfile), state_dir=self.config.machines_dir / mid,
             created_at=datetime.now(UTC), launcher=self.launcher.kind, checkpoint=restore, boot_note=note,
-            image_env=image.env, image_cwd=image.working_dir, image_user=image.user)
+            image_env=image.env, image_cwd=image.working_dir, image_user=image.user, run_result=run_result)
         self._machines[mid] = m
         m.create_task = asyncio.current_task()
         try:
@@ -1335,15 +1343,17 @@ class Controller:
         log.info("fork base %s removed (its last machine was destroyed)", base.name)
 
     # --- run ----------------------------------------------------------------------------------------------------
-    async def run(self, smolfile: Smolfile, name: str = "", filename: str = "Smolfile.toml") -> RunResult:
-        """Create, copy mounts, set up, run the task, verify, destroy (always); only the result comes back."""
+    async def run(self, smolfile: Smolfile, name: str = "", filename: str = "Smolfile.toml", *,
+                  run_result: str = "") -> RunResult:
+        """Create, copy mounts, set up, run the task, verify, destroy (always); only the result comes back.
+        ``run_result``: the stored result this Run ends in (its machine is then never re-adopted)."""
         start = time.monotonic()
         steps: list[StepResult] = []
         sdigest = digest(smolfile)
         m: Machine | None = None
         try:
             try:
-                m = await self._create(smolfile, name, filename, steps)
+                m = await self._create(smolfile, name, filename, steps, run_result=run_result)
             except CreateFailedError as e:  # could not boot: an error, not a result; nothing is kept
                 gone = self._machines.get(e.machine_id)
                 if gone is not None:

@@ -37,6 +37,7 @@ class MachineRecord:
     started: int | None = None      # /proc/PID/stat start time of the VM process
     failure_reason: str = ""
     checkpoint: str = ""            # the checkpoint directory it was restored from ("" when booted)
+    run_result: str = ""            # the stored result of the Run it serves ("": not a Run's machine)
     version: int = RECORD_VERSION
 
     def save(self, state_dir: Path) -> None:

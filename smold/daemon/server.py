@@ -1,4 +1,5 @@
-"""The daemon process: state-dir lock, re-adoption, the gRPC servers (Unix socket, optional TLS TCP), shutdown."""
+"""The daemon process: state-dir lock, result store, re-adoption, the gRPC servers (Unix socket, optional TLS
+TCP), shutdown."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from .errors import DaemonSetupError
 from .images import ImageStore
 from .launcher import JailOptions, Launcher, load_launcher
 from .notify import sd_notify
+from .results import ResultStore
+from .runs import Runs
 from .servicer import SmolServicer
 from .tcp import BearerTokenInterceptor, TcpListener, load_tcp_listener
 
@@ -72,6 +75,8 @@ class Daemon:
         self.controller = Controller(config, launcher or load_launcher(
             config.launcher, config.vmm_seccomp,
             JailOptions(config.jail_uid, config.jail_gid) if config.jail else None), images)
+        self.results = ResultStore(config.state_dir / "results")
+        self.runs = Runs(self.controller, self.results)
         self._stop = asyncio.Event()
         self._lock_fd = -1
         self._served = False
@@ -155,8 +160,9 @@ class Daemon:
                 loop.add_signal_handler(sig, self.stop)
         try:
             self._lock_state_dir()
+            await self.results.open()  # first: Runs a dead daemon left become interrupted
             await self.controller.start()
-            servicer = SmolServicer(self.controller)
+            servicer = SmolServicer(self.controller, self.runs)
             if self.tcp is not None:
                 self.tcp_server = await self._serve_tcp(servicer, self.tcp)
                 log.info("serving TLS on tcp %s (port %d); calls need the bearer token", self.tcp.address,
@@ -183,8 +189,11 @@ class Daemon:
         if self.server is not None:
             with contextlib.suppress(OSError):
                 self.config.socket_path.unlink()
+        # Runs still going end interrupted (their machines destroyed), written while the store is open.
+        await self.runs.shutdown()
         # A daemon that never served (it failed to start) leaves re-adopted machines alone.
         await self.controller.shutdown(leave=self.config.on_shutdown == "leave" or not self._served)
+        await self.results.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1

@@ -16,6 +16,7 @@ from smold.smolfile import Limits, Smolfile, SmolfileError
 
 from .controller import Controller
 from .errors import DaemonError, InvalidRequestError
+from .runs import Runs
 
 log = logging.getLogger("smold.servicer")
 T = TypeVar("T")
@@ -36,8 +37,9 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], e: Exception) -> N
 class SmolServicer(pb_grpc.SmolServicer):
     """Thin: every method converts, calls the controller and converts back."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: Controller, runs: Runs) -> None:
         self.controller = controller
+        self.runs = runs
 
     @property
     def limits(self) -> Limits:
@@ -118,8 +120,8 @@ class SmolServicer(pb_grpc.SmolServicer):
     async def Verify(self, request: pb.VerifyRequest, context: Any) -> pb.VerifyResponse:
         async def go() -> pb.VerifyResponse:
             checks = convert.checks_from_proto(request.checks) if len(request.checks) else None
-            result = await self.controller.verify(request.machine_id, checks)
-            return pb.VerifyResponse(result=convert.verify_result_to_proto(result))
+            result, rid = await self.runs.verify(request.machine_id, checks)
+            return pb.VerifyResponse(result=convert.verify_result_to_proto(result, result_id=rid))
         return await self._call(context, go)
 
     async def DestroyMachine(self, request: pb.DestroyMachineRequest, context: Any) -> pb.DestroyMachineResponse:
@@ -131,7 +133,20 @@ class SmolServicer(pb_grpc.SmolServicer):
     async def Run(self, request: pb.RunRequest, context: Any) -> pb.RunResponse:
         async def go() -> pb.RunResponse:
             sf, filename = self._smolfile(request.smolfile)
-            return convert.run_result_to_proto(await self.controller.run(sf, request.name, filename))
+            result, rid = await self.runs.run(sf, request.name, filename, dict(request.labels))
+            return convert.run_result_to_proto(result, result_id=rid)
+        return await self._call(context, go)
+
+    async def GetResult(self, request: pb.GetResultRequest, context: Any) -> pb.GetResultResponse:
+        async def go() -> pb.GetResultResponse:
+            wait = request.wait_seconds if request.HasField("wait_seconds") else None
+            return pb.GetResultResponse(result=convert.stored_result_to_proto(await self.runs.get(request.id, wait)))
+        return await self._call(context, go)
+
+    async def ListResults(self, request: pb.ListResultsRequest, context: Any) -> pb.ListResultsResponse:
+        async def go() -> pb.ListResultsResponse:
+            rows = await self.runs.list(dict(request.labels), request.kind, request.limit)
+            return pb.ListResultsResponse(results=[convert.stored_result_to_proto(r) for r in rows])
         return await self._call(context, go)
 
     async def Fork(self, request: pb.ForkRequest, context: Any) -> pb.ForkResponse:

@@ -14,7 +14,8 @@ class Outcome(enum.StrEnum):
     PASS = "pass"
     FAIL = "fail"                      # the checks ran and at least one failed
     VERIFIER_ERROR = "verifier_error"  # the verifier could not decide (guest protocol errors, harness timeouts)
-    INFRA_ERROR = "infra_error"        # smol could not run the attempt: a mount or setup step failed
+    INFRA_ERROR = "infra_error"        # smol could not run the attempt: a mount or setup step failed (or, stored, a boot)
+    INTERRUPTED = "interrupted"        # stored results only: the daemon stopped or crashed during the Run
 
 
 @dataclass(frozen=True)

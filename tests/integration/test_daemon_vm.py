@@ -165,6 +165,14 @@ def test_run_passing_and_failing_examples(daemon: Daemon) -> None:
     boots = {n: int(json.loads(r[1])["steps"][0]["evidence"]["duration_ms"]) / 1000 for n, r in results.items()}
     print(f"\nRun of both examples at once: {wall:.0f}s wall; boot to agent-ready: {boots}")
     assert daemon.smolctl("ls", "-q").stdout == b""  # Run destroyed both machines
+    # both verdicts were stored with their evidence before the replies (docs/verifier.md, "Results")
+    for doc, code, word in ((passed, 0, "PASS"), (failed, 1, "FAIL")):
+        r = daemon.smolctl("results", doc["result_id"], "--json")
+        stored = json.loads(r.stdout)
+        assert r.returncode == code and stored["state"] == "RESULT_STATE_DONE" and stored["run"] == doc, r.stdout
+        assert word in daemon.smolctl("results", doc["result_id"]).stdout.decode()
+    listed = daemon.smolctl("results", "--kind", "run", "-q").stdout.decode().split()
+    assert {passed["result_id"], failed["result_id"]} <= set(listed)
     assert vmm_processes(daemon.state) == [] and list((daemon.state / "machines").iterdir()) == []
 
 
@@ -255,3 +263,29 @@ def test_kill_9_restart_readopt_and_destroy(daemon: Daemon, workdir: Path) -> No
     assert (vmm_processes(mdir), sockets_under(mdir), mdir.exists()) == ([], [], False)
     assert not alive(pid_b)
     assert daemon.smolctl("ls", "-q").stdout == b""
+
+    # kill -9 of the daemon during a Run: the next daemon stores it interrupted and removes its VM (not re-adopted)
+    (task / "Smolfile.toml").write_text(VM_SMOLFILE.replace('memory = "512M"\n', 'memory = "512M"\n'
+                                                            'task = "touch /root/started; sleep 600"\n'))
+    run = subprocess.Popen(daemon.smolctl_argv("run", "--label", "case=kill-9", str(task)), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+            ids = daemon.smolctl("ls", "-q").stdout.decode().split()
+            if ids and daemon.smolctl("exec", ids[0], "--", "test", "-e", "/root/started").returncode == 0:
+                break
+            time.sleep(0.5)
+        (rid,) = daemon.smolctl("results", "--label", "case=kill-9", "-q").stdout.decode().split()
+        (run_pid,) = vmm_processes(daemon.state / "machines" / ids[0])
+        daemon.kill()
+        run.communicate(timeout=60)
+        assert alive(run_pid)  # the VM outlives the daemon...
+        daemon.start()
+        r = daemon.smolctl("results", rid)
+        assert r.returncode == 5 and f"{rid}  run  INTERRUPTED" in r.stdout.decode(), (r.stdout, r.stderr)
+        assert daemon.smolctl("ls", "-q").stdout == b""  # ... and is removed by the next daemon, not re-adopted
+        assert not alive(run_pid) and list((daemon.state / "machines").iterdir()) == []
+    finally:
+        run.kill()

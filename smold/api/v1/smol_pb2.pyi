@@ -27,12 +27,20 @@ class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTCOME_FAIL: _ClassVar[Outcome]
     OUTCOME_VERIFIER_ERROR: _ClassVar[Outcome]
     OUTCOME_INFRA_ERROR: _ClassVar[Outcome]
+    OUTCOME_INTERRUPTED: _ClassVar[Outcome]
 
 class CopyFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     COPY_FORMAT_UNSPECIFIED: _ClassVar[CopyFormat]
     COPY_FORMAT_FILE: _ClassVar[CopyFormat]
     COPY_FORMAT_TAR: _ClassVar[CopyFormat]
+
+class ResultState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESULT_STATE_UNSPECIFIED: _ClassVar[ResultState]
+    RESULT_STATE_RUNNING: _ClassVar[ResultState]
+    RESULT_STATE_DONE: _ClassVar[ResultState]
+    RESULT_STATE_INTERRUPTED: _ClassVar[ResultState]
 MACHINE_STATE_UNSPECIFIED: MachineState
 MACHINE_STATE_CREATING: MachineState
 MACHINE_STATE_RUNNING: MachineState
@@ -45,9 +53,14 @@ OUTCOME_PASS: Outcome
 OUTCOME_FAIL: Outcome
 OUTCOME_VERIFIER_ERROR: Outcome
 OUTCOME_INFRA_ERROR: Outcome
+OUTCOME_INTERRUPTED: Outcome
 COPY_FORMAT_UNSPECIFIED: CopyFormat
 COPY_FORMAT_FILE: CopyFormat
 COPY_FORMAT_TAR: CopyFormat
+RESULT_STATE_UNSPECIFIED: ResultState
+RESULT_STATE_RUNNING: ResultState
+RESULT_STATE_DONE: ResultState
+RESULT_STATE_INTERRUPTED: ResultState
 
 class Machine(_message.Message):
     __slots__ = ("id", "name", "state", "cpus", "memory_mib", "image", "image_digest", "smolfile_digest", "created_at", "failure_reason", "console_tail", "vmm_pid", "restored_from", "network", "forwarded_ports")
@@ -325,7 +338,7 @@ class CheckResult(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., passed: _Optional[bool] = ..., evidence: _Optional[_Union[Evidence, _Mapping]] = ..., error: _Optional[bool] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("passed", "checks", "image_digest", "smolfile_digest", "duration_ms", "outcome", "outcome_detail")
+    __slots__ = ("passed", "checks", "image_digest", "smolfile_digest", "duration_ms", "outcome", "outcome_detail", "result_id")
     PASSED_FIELD_NUMBER: _ClassVar[int]
     CHECKS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +346,7 @@ class VerifyResult(_message.Message):
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    RESULT_ID_FIELD_NUMBER: _ClassVar[int]
     passed: bool
     checks: _containers.RepeatedCompositeFieldContainer[CheckResult]
     image_digest: str
@@ -340,7 +354,8 @@ class VerifyResult(_message.Message):
     duration_ms: int
     outcome: Outcome
     outcome_detail: str
-    def __init__(self, passed: _Optional[bool] = ..., checks: _Optional[_Iterable[_Union[CheckResult, _Mapping]]] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., duration_ms: _Optional[int] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., outcome_detail: _Optional[str] = ...) -> None: ...
+    result_id: str
+    def __init__(self, passed: _Optional[bool] = ..., checks: _Optional[_Iterable[_Union[CheckResult, _Mapping]]] = ..., image_digest: _Optional[str] = ..., smolfile_digest: _Optional[str] = ..., duration_ms: _Optional[int] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., outcome_detail: _Optional[str] = ..., result_id: _Optional[str] = ...) -> None: ...
 
 class CreateMachineRequest(_message.Message):
     __slots__ = ("name", "smolfile", "from_checkpoint")
@@ -496,12 +511,21 @@ class DestroyMachineResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("smolfile", "name")
+    __slots__ = ("smolfile", "name", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SMOLFILE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     smolfile: Smolfile
     name: str
-    def __init__(self, smolfile: _Optional[_Union[Smolfile, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, smolfile: _Optional[_Union[Smolfile, _Mapping]] = ..., name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("name", "ok", "evidence")
@@ -514,7 +538,7 @@ class StepResult(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ok: _Optional[bool] = ..., evidence: _Optional[_Union[Evidence, _Mapping]] = ...) -> None: ...
 
 class RunResponse(_message.Message):
-    __slots__ = ("result", "steps", "machine_id", "error", "duration_ms", "network", "outcome", "outcome_detail")
+    __slots__ = ("result", "steps", "machine_id", "error", "duration_ms", "network", "outcome", "outcome_detail", "result_id")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -523,6 +547,7 @@ class RunResponse(_message.Message):
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    RESULT_ID_FIELD_NUMBER: _ClassVar[int]
     result: VerifyResult
     steps: _containers.RepeatedCompositeFieldContainer[StepResult]
     machine_id: str
@@ -531,7 +556,8 @@ class RunResponse(_message.Message):
     network: NetworkReport
     outcome: Outcome
     outcome_detail: str
-    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ..., error: _Optional[str] = ..., duration_ms: _Optional[int] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., outcome_detail: _Optional[str] = ...) -> None: ...
+    result_id: str
+    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ..., error: _Optional[str] = ..., duration_ms: _Optional[int] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., outcome_detail: _Optional[str] = ..., result_id: _Optional[str] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("machine_id", "count")
@@ -716,3 +742,73 @@ class PruneImagesResponse(_message.Message):
     removed: _containers.RepeatedScalarFieldContainer[str]
     freed_bytes: int
     def __init__(self, removed: _Optional[_Iterable[str]] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+
+class StoredResult(_message.Message):
+    __slots__ = ("id", "kind", "state", "outcome", "outcome_detail", "labels", "created_at", "finished_at", "machine_id", "run", "verify")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    kind: str
+    state: ResultState
+    outcome: Outcome
+    outcome_detail: str
+    labels: _containers.ScalarMap[str, str]
+    created_at: _timestamp_pb2.Timestamp
+    finished_at: _timestamp_pb2.Timestamp
+    machine_id: str
+    run: RunResponse
+    verify: VerifyResult
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[ResultState, str]] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., outcome_detail: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., machine_id: _Optional[str] = ..., run: _Optional[_Union[RunResponse, _Mapping]] = ..., verify: _Optional[_Union[VerifyResult, _Mapping]] = ...) -> None: ...
+
+class GetResultRequest(_message.Message):
+    __slots__ = ("id", "wait_seconds")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    wait_seconds: float
+    def __init__(self, id: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class GetResultResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: StoredResult
+    def __init__(self, result: _Optional[_Union[StoredResult, _Mapping]] = ...) -> None: ...
+
+class ListResultsRequest(_message.Message):
+    __slots__ = ("labels", "kind", "limit")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    labels: _containers.ScalarMap[str, str]
+    kind: str
+    limit: int
+    def __init__(self, labels: _Optional[_Mapping[str, str]] = ..., kind: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListResultsResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StoredResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[StoredResult, _Mapping]]] = ...) -> None: ...

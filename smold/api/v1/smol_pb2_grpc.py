@@ -135,6 +135,16 @@ class SmolStub:
                 request_serializer=smol_dot_v1_dot_smol__pb2.PruneImagesRequest.SerializeToString,
                 response_deserializer=smol_dot_v1_dot_smol__pb2.PruneImagesResponse.FromString,
                 _registered_method=True)
+        self.GetResult = channel.unary_unary(
+                '/smol.v1.Smol/GetResult',
+                request_serializer=smol_dot_v1_dot_smol__pb2.GetResultRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.GetResultResponse.FromString,
+                _registered_method=True)
+        self.ListResults = channel.unary_unary(
+                '/smol.v1.Smol/ListResults',
+                request_serializer=smol_dot_v1_dot_smol__pb2.ListResultsRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.ListResultsResponse.FromString,
+                _registered_method=True)
 
 
 class SmolServicer:
@@ -277,6 +287,20 @@ class SmolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetResult(self, request, context):
+        """The durable result store (docs/verifier.md, "Results"): every Run and Verify result, kept under the
+        state directory before the reply, and Runs a daemon crash interrupted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListResults(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SmolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -379,6 +403,16 @@ def add_SmolServicer_to_server(servicer, server):
                     servicer.PruneImages,
                     request_deserializer=smol_dot_v1_dot_smol__pb2.PruneImagesRequest.FromString,
                     response_serializer=smol_dot_v1_dot_smol__pb2.PruneImagesResponse.SerializeToString,
+            ),
+            'GetResult': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetResult,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.GetResultRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.GetResultResponse.SerializeToString,
+            ),
+            'ListResults': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListResults,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.ListResultsRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.ListResultsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -922,6 +956,60 @@ class Smol:
             '/smol.v1.Smol/PruneImages',
             smol_dot_v1_dot_smol__pb2.PruneImagesRequest.SerializeToString,
             smol_dot_v1_dot_smol__pb2.PruneImagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/GetResult',
+            smol_dot_v1_dot_smol__pb2.GetResultRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.GetResultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListResults(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/ListResults',
+            smol_dot_v1_dot_smol__pb2.ListResultsRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.ListResultsResponse.FromString,
             options,
             channel_credentials,
             insecure,

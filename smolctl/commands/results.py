@@ -1,0 +1,47 @@
+"""smolctl results [ID]: the daemon's stored Run and Verify results (a list, or one with its evidence)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from google.protobuf.json_format import MessageToDict
+
+from smold.api.v1 import smol_pb2 as pb
+from smold.api.v1 import smol_pb2_grpc as pb_grpc
+
+from ..output import VERDICT_EXIT, results_table, stored_result, stored_verdict, to_json
+from .run import parse_labels
+
+NAME = "results"
+HELP = "list stored Run and Verify results, or show one (exit status: its verdict's, as smolctl run)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("id", nargs="?", help="a result id (r-...): show it with its evidence")
+    p.add_argument("--wait", type=float, metavar="SECONDS",
+                   help="with ID: wait up to SECONDS for a Run still running to end")
+    p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                   help="list only results carrying this label (repeatable)")
+    p.add_argument("--kind", choices=("run", "verify"), default="", help="list only this kind")
+    p.add_argument("--limit", type=int, default=0, help="list at most this many, newest first (default 100)")
+    p.add_argument("--json", action="store_true", help="print StoredResult messages as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="list ids only")
+    p.add_argument("-v", "--verbose", action="store_true", help="show output tails of passing steps and checks")
+
+
+def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
+    if args.id:
+        result = stub.GetResult(pb.GetResultRequest(id=args.id, wait_seconds=args.wait)).result
+        print(to_json(result) if args.json else stored_result(result, verbose=args.verbose))
+        return VERDICT_EXIT[stored_verdict(result)]
+    results = list(stub.ListResults(pb.ListResultsRequest(labels=parse_labels(args.label), kind=args.kind,
+                                                           limit=max(0, args.limit))).results)
+    if args.json:
+        print(json.dumps([MessageToDict(r, preserving_proto_field_name=True) for r in results], indent=2))
+    elif args.quiet:
+        for r in results:
+            print(r.id)
+    else:
+        print(results_table(results))
+    return 0

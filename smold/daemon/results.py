@@ -1,0 +1,316 @@
+"""The durable result store: every Run and Verify result, with its evidence, in SQLite under STATE_DIR/results.
+
+One database, ``STATE_DIR/results/results.db``, in WAL mode with ``synchronous=FULL``: a row committed before a
+reply survives a kill -9 of the daemon and a power loss. SQLite is the standard library's (no hand-written file
+format to get wrong, and a reader needs nothing but ``sqlite3``); every call runs on one worker thread, off the
+event loop, which owns the only connection.
+
+A Run's row is written ``running`` before its machine exists and ``done`` (with its outcome and the whole
+RunResponse as evidence) before its reply. Rows still ``running`` when a daemon opens the store are from a
+daemon that stopped during the Run: they become ``interrupted`` (docs/verifier.md, "Results").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import concurrent.futures
+import contextlib
+import json
+import logging
+import re
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from smold.api.machine import ResultState, StoredResult
+from smold.verifier import Outcome
+
+from .errors import DaemonError, DaemonSetupError, InvalidRequestError, Status
+
+log = logging.getLogger("smold.results")
+T = TypeVar("T")
+
+DB_FILE = "results.db"
+SCHEMA_VERSION = 1
+RESULT_ID_RE = re.compile(r"r-[0-9a-f]{16}")
+KINDS = ("run", "verify")
+MAX_LIST = 10_000
+DEFAULT_LIST = 100
+MAX_LABELS = 32
+MAX_LABEL_VALUE = 256
+LABEL_KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}")
+INTERRUPTED_DETAIL = "the daemon stopped during the run (crash, kill or shutdown); its machine was removed"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS results (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    kind TEXT NOT NULL,
+    state TEXT NOT NULL,
+    outcome TEXT NOT NULL DEFAULT '',
+    outcome_detail TEXT NOT NULL DEFAULT '',
+    labels TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    finished_at REAL,
+    machine_id TEXT NOT NULL DEFAULT '',
+    payload BLOB
+);
+CREATE INDEX IF NOT EXISTS results_state ON results(state);
+CREATE TABLE IF NOT EXISTS labels (
+    seq INTEGER NOT NULL REFERENCES results(seq) ON DELETE CASCADE,
+    key TEXT NOT NULL,
+    value TEXT NOT NULL,
+    PRIMARY KEY (seq, key)
+);
+CREATE INDEX IF NOT EXISTS labels_kv ON labels(key, value);
+"""
+_COLUMNS = "id, kind, state, outcome, outcome_detail, labels, created_at, finished_at, machine_id, payload"
+
+
+class ResultNotFoundError(DaemonError):
+    """No stored result has that id."""
+
+    status = Status.NOT_FOUND
+
+
+class ResultStoreError(DaemonError):
+    """The result store could not be read or written (disk full, I/O error, closed)."""
+
+    status = Status.INTERNAL
+
+    def __init__(self, message: str, status: Status = Status.INTERNAL) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def validate_labels(labels: Mapping[str, str], what: str = "labels") -> dict[str, str]:
+    """The labels, or InvalidRequestError naming the first bad one."""
+    if len(labels) > MAX_LABELS:
+        raise InvalidRequestError(f"{what}: {len(labels)} labels, at most {MAX_LABELS} are allowed")
+    out = {}
+    for key, value in labels.items():
+        if not LABEL_KEY_RE.fullmatch(key):
+            raise InvalidRequestError(
+                f"{what}: key {key[:80]!r} is not valid (1-63 of letters, digits, '_.-/', starting with a letter "
+                "or digit)")
+        if len(value.encode()) > MAX_LABEL_VALUE:
+            raise InvalidRequestError(f"{what}: the value of {key!r} is {len(value.encode())} bytes, at most "
+                                      f"{MAX_LABEL_VALUE} are allowed")
+        if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
+            raise InvalidRequestError(f"{what}: the value of {key!r} contains control characters")
+        out[key] = value
+    return out
+
+
+def check_result_id(rid: str) -> str:
+    if not RESULT_ID_RE.fullmatch(rid):
+        raise InvalidRequestError(f"id: {rid[:80]!r} is not a result id (r- and 16 hex digits, as Run, Verify and "
+                                  "ListResults report them)")
+    return rid
+
+
+def new_result_id() -> str:
+    return f"r-{secrets.token_hex(8)}"
+
+
+class ResultStore:
+    """open() once per daemon, close() at its end; the async methods run on the store's one thread."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._db: sqlite3.Connection | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="smold-results")
+
+    @property
+    def path(self) -> Path:
+        return self.root / DB_FILE
+
+    # --- open, recover, close (the daemon's start and stop) ----------------------------------------------------
+    async def open(self) -> int:
+        """Open (creating) the database and mark rows left ``running`` interrupted; returns how many were.
+        DaemonSetupError when the store cannot be used."""
+        try:
+            return await self._run(self._open)
+        except (sqlite3.Error, OSError) as e:
+            await self.close()
+            raise DaemonSetupError(f"cannot open the result store {self.path}: {e} (check the state directory's "
+                                   "permissions and free space; a corrupt database can be moved aside, losing the "
+                                   "results stored in it)") from None
+
+    def _open(self) -> int:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10)
+        try:
+            db.execute("PRAGMA journal_mode=WAL").fetchone()
+            db.execute("PRAGMA synchronous=FULL")
+            db.execute("PRAGMA foreign_keys=ON")
+            db.executescript(SCHEMA)  # idempotent (IF NOT EXISTS)
+            with _txn(db):
+                row = db.execute("SELECT version FROM schema_version").fetchone()
+                if row is None:
+                    db.execute("INSERT INTO schema_version(version) VALUES (?)", (SCHEMA_VERSION,))
+                elif row[0] != SCHEMA_VERSION:
+                    raise sqlite3.DatabaseError(f"schema version {row[0]}; this daemon reads version {SCHEMA_VERSION}")
+            check = db.execute("PRAGMA quick_check").fetchone()
+            if check is None or check[0] != "ok":
+                raise sqlite3.DatabaseError(f"integrity check failed: {check}")
+            with _txn(db):
+                cur = db.execute(
+                    "UPDATE results SET state=?, outcome=?, outcome_detail=?, finished_at=? WHERE state=?",
+                    (ResultState.INTERRUPTED.value, Outcome.INTERRUPTED.value, INTERRUPTED_DETAIL, time.time(),
+                     ResultState.RUNNING.value))
+        except BaseException:
+            db.close()
+            raise
+        self._db = db
+        if cur.rowcount:
+            log.warning("%d result(s) were still running when the last daemon stopped: now interrupted",
+                        cur.rowcount)
+        return int(cur.rowcount)
+
+    async def close(self) -> None:
+        if self._db is not None:
+            with contextlib.suppress(Exception):
+                await self._run(self._close)
+        self._pool.shutdown(wait=True)
+
+    def _close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    # --- plumbing -----------------------------------------------------------------------------------------------
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _guarded(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return await self._run(fn, *args)
+        except sqlite3.Error as e:
+            raise ResultStoreError(f"result store {self.path}: {e}") from None
+        except OSError as e:
+            raise ResultStoreError(f"result store {self.path}: {e}", Status.RESOURCE_EXHAUSTED
+                                   if e.errno in (28, 122) else Status.INTERNAL) from None
+        except RuntimeError as e:  # the worker pool is shut down: the daemon is stopping
+            raise ResultStoreError(f"the result store is closed ({e})", Status.UNAVAILABLE) from None
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise ResultStoreError("the result store is closed (the daemon is stopping)", Status.UNAVAILABLE)
+        return self._db
+
+    # --- writes -------------------------------------------------------------------------------------------------
+    async def begin(self, kind: str, labels: Mapping[str, str] | None = None) -> str:
+        """Insert a ``running`` row (committed when this returns); its id."""
+        rid = new_result_id()
+        await self._guarded(self._insert, rid, kind, ResultState.RUNNING, None, "", dict(labels or {}), "", b"")
+        return rid
+
+    async def add(self, kind: str, *, outcome: Outcome, outcome_detail: str, payload: bytes, machine_id: str = "",
+                  labels: Mapping[str, str] | None = None, result_id: str = "") -> str:
+        """Insert a finished row in one step (Verify); its id (``result_id``, or a new one)."""
+        rid = result_id or new_result_id()
+        await self._guarded(self._insert, rid, kind, ResultState.DONE, outcome, outcome_detail, dict(labels or {}),
+                            machine_id, payload)
+        return rid
+
+    def _insert(self, rid: str, kind: str, state: ResultState, outcome: Outcome | None, detail: str,
+                labels: dict[str, str], machine_id: str, payload: bytes) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind {kind!r}")
+        db = self._conn()
+        now = time.time()
+        with _txn(db):
+            cur = db.execute(
+                f"INSERT INTO results({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (rid, kind, state.value, outcome.value if outcome else "", detail, json.dumps(labels, sort_keys=True),
+                 now, None if state is ResultState.RUNNING else now, machine_id, payload))
+            db.executemany("INSERT INTO labels(seq, key, value) VALUES (?,?,?)",
+                           [(cur.lastrowid, k, v) for k, v in labels.items()])
+
+    async def finish(self, rid: str, *, state: ResultState, outcome: Outcome, outcome_detail: str,
+                     payload: bytes = b"", machine_id: str = "") -> None:
+        """Write a running row's end (committed when this returns)."""
+        await self._guarded(self._finish, rid, state, outcome, outcome_detail, payload, machine_id)
+
+    def _finish(self, rid: str, state: ResultState, outcome: Outcome, detail: str, payload: bytes,
+                machine_id: str) -> None:
+        db = self._conn()
+        with _txn(db):
+            cur = db.execute("UPDATE results SET state=?, outcome=?, outcome_detail=?, finished_at=?, machine_id=?, "
+                             "payload=? WHERE id=?",
+                             (state.value, outcome.value, detail, time.time(), machine_id, payload, rid))
+        if cur.rowcount != 1:
+            raise ResultNotFoundError(f"result {rid}: not in the store")
+
+    async def discard(self, rid: str) -> None:
+        """Remove a row: a Run refused before it started (bad request, limits) is an error, not a result."""
+        await self._guarded(self._discard, rid)
+
+    def _discard(self, rid: str) -> None:
+        db = self._conn()
+        with _txn(db):
+            db.execute("DELETE FROM results WHERE id=?", (rid,))
+
+    # --- reads --------------------------------------------------------------------------------------------------
+    async def get(self, rid: str) -> StoredResult:
+        check_result_id(rid)
+        rec = await self._guarded(self._get, rid)
+        if rec is None:
+            raise ResultNotFoundError(f"result {rid}: not in this daemon's result store (ListResults lists what it "
+                                      "holds)")
+        return rec
+
+    def _get(self, rid: str) -> StoredResult | None:
+        row = self._conn().execute(f"SELECT {_COLUMNS} FROM results WHERE id=?", (rid,)).fetchone()
+        return _record(row) if row is not None else None
+
+    async def list(self, *, labels: Mapping[str, str] | None = None, kind: str = "",
+                   limit: int = 0) -> builtins.list[StoredResult]:
+        """Newest first; only rows carrying every label given; limit 0: DEFAULT_LIST, at most MAX_LIST. Without
+        payloads (10000 evidence bodies would not fit one reply; get() has them)."""
+        if kind and kind not in KINDS:
+            raise InvalidRequestError(f"kind: {kind[:40]!r} is not one of '', 'run', 'verify'")
+        if limit < 0 or limit > MAX_LIST:
+            raise InvalidRequestError(f"limit: {limit} is out of range (0..{MAX_LIST}; 0 means {DEFAULT_LIST})")
+        wanted = validate_labels(dict(labels or {}))
+        return await self._guarded(self._list, wanted, kind, limit or DEFAULT_LIST)
+
+    def _list(self, labels: dict[str, str], kind: str, limit: int) -> builtins.list[StoredResult]:
+        where: builtins.list[str] = []
+        args: builtins.list[Any] = []
+        if kind:
+            where.append("kind=?")
+            args.append(kind)
+        for k, v in labels.items():
+            where.append("seq IN (SELECT seq FROM labels WHERE key=? AND value=?)")
+            args += [k, v]
+        sql = f"SELECT {_COLUMNS.replace('payload', 'NULL')} FROM results"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY seq DESC LIMIT ?"
+        return [_record(r) for r in self._conn().execute(sql, (*args, limit))]
+
+
+@contextlib.contextmanager
+def _txn(db: sqlite3.Connection) -> Iterator[None]:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
+def _record(row: tuple[Any, ...]) -> StoredResult:
+    rid, kind, state, outcome, detail, labels, created, finished, machine_id, payload = row
+    return StoredResult(
+        id=rid, kind=kind, state=ResultState(state), outcome=Outcome(outcome) if outcome else None,
+        outcome_detail=detail, labels=tuple(sorted(json.loads(labels).items())), created_at=created,
+        finished_at=finished, machine_id=machine_id, payload=bytes(payload or b""))
