@@ -199,6 +199,8 @@ class RunResult:
     outcome: str = ""            # "pass", "fail", "verifier_error" or "infra_error" (docs/verifier.md)
     outcome_detail: str = ""
     result_id: str = ""          # the stored result (Client.get_result): kept even if the client had gone
+    sealed: bool = False         # the checks ran in a pristine machine that got only the declared outputs
+    verifier_machine_id: str = ""
 
     @property
     def passed(self) -> bool:
@@ -213,7 +215,8 @@ class RunResult:
                  for s in r.steps]
         return cls(result=VerifyResult.from_proto(r.result), steps=steps, machine_id=r.machine_id, error=r.error,
                    duration_ms=r.duration_ms, outcome=OUTCOME_NAMES.get(r.outcome, ""),
-                   outcome_detail=r.outcome_detail, result_id=r.result_id)
+                   outcome_detail=r.outcome_detail, result_id=r.result_id, sealed=r.sealed,
+                   verifier_machine_id=r.verifier_machine_id)
 
 
 RESULT_STATE_NAMES = {v: k.removeprefix("RESULT_STATE_").lower() for k, v in pb.ResultState.items() if v}

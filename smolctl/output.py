@@ -190,6 +190,9 @@ def run_result(resp: pb.RunResponse, *, verbose: bool = False) -> str:
     lines = [f"{verdict(resp)}  {passed}/{len(resp.result.checks)} checks passed  "
              f"(machine {resp.machine_id or '-'}, {resp.duration_ms / 1000:.1f}s"
              + (f", result {resp.result_id})" if resp.result_id else ")")]
+    if resp.sealed:
+        lines.append(f"sealed: the checks ran in machine {resp.verifier_machine_id or '-'}, a pristine one given only "
+                     "the declared outputs")
     if resp.error:
         lines.append(f"stopped before the verifier: {resp.error}")
     lines.append("steps:")

@@ -259,6 +259,8 @@ def run_result_to_proto(r: RunResult, result_id: str = "") -> pb.RunResponse:
         network=network_report_to_proto(r.network) if r.network is not None else None,
         outcome=OUTCOME_TO_PROTO[r.outcome],
         outcome_detail=r.outcome_detail,
+        sealed=r.sealed,
+        verifier_machine_id=r.verifier_machine_id,
     )
 
 
@@ -271,6 +273,8 @@ def run_result_from_proto(msg: pb.RunResponse) -> RunResult:
         duration_ms=msg.duration_ms,
         network=network_report_from_proto(msg.network) if msg.HasField("network") else None,
         error_outcome=OUTCOME_FROM_PROTO.get(msg.outcome, Outcome.INFRA_ERROR) if msg.error else Outcome.INFRA_ERROR,
+        sealed=msg.sealed,
+        verifier_machine_id=msg.verifier_machine_id,
     )
 
 
@@ -391,6 +395,7 @@ def smolfile_to_spec_proto(s: Smolfile) -> pb.SmolfileSpec:
         checks=[check_to_proto(c) for c in s.checks],
         base_dir=s.base_dir or "",
         verifier_mounts=[pb.Mount(host_path=m.host, guest_path=m.guest) for m in s.verifier_mounts],
+        verifier_outputs=list(s.verifier_outputs),
     )
     if s.task is not None:
         msg.task.CopyFrom(command_to_proto(s.task))
@@ -489,6 +494,8 @@ def spec_mapping(msg: pb.SmolfileSpec, file: str = INLINE_SPEC) -> dict[str, Any
         out["verifier"] = {"checks": _checks_mapping(msg.checks, file)}
     if len(msg.verifier_mounts):
         out.setdefault("verifier", {})["mounts"] = _mounts_mapping(msg.verifier_mounts, file, ["verifier", "mounts"])
+    if len(msg.verifier_outputs):
+        out.setdefault("verifier", {})["outputs"] = list(msg.verifier_outputs)
     return out
 
 

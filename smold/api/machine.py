@@ -118,6 +118,8 @@ class RunResult:
     # with error: INFRA_ERROR when a mount or setup step failed, VERIFIER_ERROR when the verifier could not reach
     # the guest (docs/verifier.md, "Outcomes")
     error_outcome: Outcome = Outcome.INFRA_ERROR
+    sealed: bool = False           # the checks ran in a second, pristine machine (docs/verifier.md)
+    verifier_machine_id: str = ""  # that machine (destroyed)
 
     @property
     def outcome(self) -> Outcome:

@@ -59,6 +59,7 @@ from smold.smolfile import (
     to_mapping,
 )
 from smold.verifier import CheckResult, Evidence, Outcome, VerifyResult, tail_text, verify
+from smold.verifier.outputs import OutputsError, Repacked, repack
 
 from . import guestops
 from .bakes import (
@@ -1377,6 +1378,9 @@ class Controller:
                                                              timeout=budget))
                 except GuestUnavailableError as e:
                     steps.append(StepResult("task", False, Evidence(detail=str(e))))
+            if sf.sealed:
+                network = await self._read_network(m)
+                return await self._sealed_run(m, filename, steps, start, network, run_result)
             try:
                 result = await self._verify(m, keep=True)
             except GuestUnavailableError as e:
@@ -1386,8 +1390,64 @@ class Controller:
             return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start),
                              network=await self._read_network(m))
         finally:
-            if m is not None:
+            if m is not None and m.id in self._machines:
                 await self._destroy_quietly(m)
+
+    async def _sealed_run(self, m: Machine, filename: str, steps: list[StepResult], start: float,
+                          network: NetworkReport | None, run_result: str) -> RunResult:
+        """Sealed verification (docs/verifier.md, "Sealed verification"): only the declared outputs leave the task's
+        machine, which is then destroyed with every process the task started; the checks run in a pristine machine
+        of the same Smolfile (its bake: a restore) that receives them, with its own tools and agent."""
+        sf = m.smolfile
+        t0 = time.monotonic()
+        packed: Repacked | None = None
+        why = ""
+        try:  # everything from the task's guest is hostile: its archive is re-packed on the host
+            async with self._agent(m) as client:
+                raw = await guestops.pack_outputs(client, m.id, sf.verifier_outputs, self.config.copy_cap_bytes)
+            packed = await asyncio.to_thread(repack, raw, sf.verifier_outputs, cap=self.config.copy_cap_bytes)
+        except (OutputsError, DaemonError) as e:
+            why = str(e)
+        await self._destroy_quietly(m)
+        if packed is None:
+            steps.append(StepResult("outputs", False, Evidence(duration_ms=_ms_since(t0), detail=why)))
+            undecided = CheckResult("outputs", "outputs", False, Evidence(detail=f"the task's outputs could not be "
+                                                                          f"taken: {why}"), error=True)
+            result = VerifyResult(False, (undecided,), m.image_digest, m.smolfile_digest, 0)
+            return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start), network=network, sealed=True)
+        missing = [o for o in sf.verifier_outputs if o not in packed.present]
+        detail = packed.describe() + (f"; not present: {', '.join(missing)}" if missing else "")
+        steps.append(StepResult("outputs", True, Evidence(duration_ms=_ms_since(t0), detail=detail)))
+        vsteps: list[StepResult] = []
+        v: Machine | None = None
+        try:
+            try:
+                v = await self._create(sf, "", filename, vsteps, run_result=run_result)
+            except (DaemonError, StepFailedError) as e:  # a limit reached meanwhile too: the task did run
+                failed = (self._machines.get(e.machine_id) if isinstance(e, CreateFailedError)
+                          else e.machine if isinstance(e, StepFailedError) else None)
+                if failed is not None:
+                    await self._destroy_quietly(failed)
+                steps.extend(replace_fields(s, name=f"verifier.{s.name}") for s in vsteps)
+                result = VerifyResult(False, (), m.image_digest, m.smolfile_digest, 0)
+                return RunResult(result, tuple(steps), m.id, error=f"the verifier machine: {e}",
+                                 duration_ms=_ms_since(start), network=network, sealed=True,
+                                 verifier_machine_id=failed.id if failed is not None else "")
+            steps.extend(replace_fields(s, name=f"verifier.{s.name}") for s in vsteps)
+            try:
+                async with self._agent(v) as client:
+                    await guestops.place_outputs(client, v.id, sf.verifier_outputs, packed.archive)
+                result = await self._verify(v, keep=True)
+            except DaemonError as e:
+                undecided = CheckResult("outputs", "outputs", False, Evidence(detail=f"placing the task's outputs in "
+                                                                              f"the verifier machine failed: {e}"),
+                                        error=True)
+                result = VerifyResult(False, (undecided,), m.image_digest, m.smolfile_digest, 0)
+            return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start), network=network, sealed=True,
+                             verifier_machine_id=v.id)
+        finally:
+            if v is not None:
+                await self._destroy_quietly(v)
 
     async def _destroy_quietly(self, m: Machine) -> None:
         """Destroy, even if the caller is being cancelled; a failure is logged (the machine stays FAILED)."""

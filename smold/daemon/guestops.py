@@ -237,3 +237,51 @@ async def spill_argv(client: AgentClient, machine_id: str, argv: Sequence[str]) 
     except AgentError as e:
         raise guest_error(e, machine_id) from None
     return ["python3", "-S", "-c", _TRAMPOLINE, path]
+
+
+# --- sealed verification: the declared outputs out of the task's guest, into the verifier's ------------------------
+# In the task's guest (hostile: what comes back is re-packed on the host, smold.verifier.outputs): an archive of
+# the outputs that exist, relative to /; none existing gives an empty archive.
+_PACK_OUTPUTS = ('cd / || exit 1; for p do shift; if [ -e "$p" ] || [ -h "$p" ]; then set -- "$@" "$p"; fi; done; '
+                 '[ $# -gt 0 ] || exec tar -c -f - -T /dev/null; exec tar -c -f - -- "$@"')
+# In the verifier's (pristine) guest: what it has at the outputs' paths goes, then the archive is extracted at /.
+_PLACE_OUTPUTS = 'a=$1; shift; rm -rf -- "$@" && tar -x -f "$a" -C /; rc=$?; rm -f -- "$a"; exit $rc'
+
+
+async def pack_outputs(client: AgentClient, machine_id: str, outputs: Sequence[str], cap: int) -> bytes:
+    """The task guest's archive of ``outputs`` (absolute paths), at most ``cap`` bytes; DaemonError otherwise."""
+    rel = [o.lstrip("/") for o in outputs]
+    data = bytearray()
+    err = TailBuffer(1000)
+    try:
+        async with client.exec(["sh", "-c", _PACK_OUTPUTS, "sh", *rel], timeout=600) as stream:
+            async for event in stream:
+                if isinstance(event, ExecStdout):
+                    data += event.data
+                    if len(data) > cap:
+                        raise LimitExceededError(f"machine {machine_id}: the outputs archive is larger than the "
+                                                 f"cap of {cap} bytes")
+                elif isinstance(event, ExecStderr):
+                    err.add(event.data)
+    except AgentError as e:
+        raise guest_error(e, machine_id) from None
+    done = stream.exit
+    if done is None or done.exit_code != 0:
+        code = "no exit status" if done is None else f"exit {done.exit_code}"
+        raise GuestError(f"machine {machine_id}: packing the outputs failed ({code}): {err.text().strip()[-500:]}",
+                         Status.INTERNAL)
+    return bytes(data)
+
+
+async def place_outputs(client: AgentClient, machine_id: str, outputs: Sequence[str], archive: bytes) -> None:
+    """Replace what the verifier's guest has at ``outputs`` with the (re-packed) archive's content."""
+    tmp = f"/tmp/.smol-outputs-{secrets.token_hex(8)}.tar"
+    try:
+        await client.write_file(tmp, archive, mode=0o600, mkdirs=True)
+        res = await client.run(["sh", "-c", _PLACE_OUTPUTS, "sh", tmp, *outputs], timeout=600)
+    except AgentError as e:
+        raise guest_error(e, machine_id) from None
+    if res.exit_code != 0:
+        detail = (res.stderr or res.stdout).decode(errors="replace").strip()[-1000:]
+        raise GuestError(f"machine {machine_id}: placing the outputs failed: {detail or res.exit_code}",
+                         Status.FAILED_PRECONDITION)

@@ -87,6 +87,8 @@ def to_mapping(smolfile: Smolfile) -> dict[str, Any]:
     }
     if smolfile.verifier_mounts:  # absent when empty: digests of Smolfiles without them are unchanged
         out["verifier"]["mounts"] = {m.host: m.guest for m in smolfile.verifier_mounts}
+    if smolfile.verifier_outputs:  # likewise
+        out["verifier"]["outputs"] = list(smolfile.verifier_outputs)
     if smolfile.task is not None:
         out["task"] = _command(smolfile.task)
     return out

@@ -17,6 +17,14 @@ MIN_MEMORY_MIB = 128
 DEFAULT_MAX_MEMORY_MIB = 64 * 1024
 MAX_TIMEOUT_S = 24 * 3600.0
 DEFAULT_REWARD_PATHS = ("/logs/verifier/reward.txt", "/logs/verifier/reward.json")
+# [verifier] outputs may not be, hold or sit inside these: the verifier's own tools, libraries, configuration and
+# home (root's user site-packages), and where its reward is written (docs/verifier.md, "Sealed verification").
+SYSTEM_PATHS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/boot", "/dev", "/proc", "/sys",
+                "/root", "/run", "/var/lib/dpkg", "/etc/ld.so.preload", "/etc/ld.so.conf", "/etc/ld.so.conf.d",
+                "/etc/ld.so.cache", "/etc/profile", "/etc/profile.d", "/etc/environment", "/etc/sudoers",
+                "/etc/sudoers.d", "/etc/passwd", "/etc/group", "/etc/shadow", "/logs/verifier")
+SYSTEM_PARENTS = ("/", "/etc", "/var", "/var/lib", "/logs")  # they hold system paths: not an output either
+MAX_OUTPUTS = 64
 
 
 @dataclass(frozen=True)
@@ -198,6 +206,14 @@ class Smolfile:
     # [verifier.mounts]: copied in only when verification starts and removed when it ends, so the task never sees
     # them (the tests of a task; docs/smolfile.md, "Verifier mounts"); not part of a bake
     verifier_mounts: tuple[Mount, ...] = ()
+    # [verifier] outputs: guest paths where the task's work lands. Declared, a Run is sealed: only these leave the
+    # task's machine, which is then destroyed, and the checks run in a pristine machine of the same Smolfile
+    # that receives them (docs/verifier.md, "Sealed verification")
+    verifier_outputs: tuple[str, ...] = ()
+
+    @property
+    def sealed(self) -> bool:
+        return bool(self.verifier_outputs)
 
     @property
     def all_mounts(self) -> tuple[tuple[tuple[str, ...], Mount], ...]:

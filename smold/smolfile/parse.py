@@ -21,9 +21,12 @@ from .model import (
     DEFAULT_CPUS,
     DEFAULT_IMAGE,
     DEFAULT_MEMORY_MIB,
+    MAX_OUTPUTS,
     MAX_TIMEOUT_S,
     MIN_CPUS,
     MIN_MEMORY_MIB,
+    SYSTEM_PARENTS,
+    SYSTEM_PATHS,
     AllowRule,
     Check,
     Command,
@@ -353,7 +356,7 @@ class _Parser:
 
     # --- verifier ----------------------------------------------------------------------------------
     def verifier(self, value: object, path: KeyPath) -> tuple[Check, ...]:
-        t = self.table(value, path, ("checks", "mounts"))
+        t = self.table(value, path, ("checks", "mounts", "outputs"))
         raw = t.get("checks", [])
         cpath = [*path, "checks"]
         if not isinstance(raw, list | tuple):
@@ -536,7 +539,46 @@ def parse_mapping(
         checks=p.verifier(t["verifier"], ["verifier"]) if "verifier" in t else (),
         base_dir=base,
         verifier_mounts=_verifier_mounts(p, t.get("verifier"), t.get("mounts")),
+        verifier_outputs=_verifier_outputs(p, t.get("verifier")),
     )
+
+
+def _verifier_outputs(p: _Parser, verifier: object) -> tuple[str, ...]:
+    """[verifier] outputs: absolute guest paths, none of them system files, none overlapping another, a verifier
+    mount or a task mount's guest path; no http check beside them (it needs the task's machine, which is gone)."""
+    if not isinstance(verifier, dict) or "outputs" not in verifier:
+        return ()
+    path = ["verifier", "outputs"]
+    value = verifier["outputs"]
+    if not isinstance(value, list | tuple):
+        p.fail(path, f"must be an array of absolute guest paths, not {_type_name(value)}")
+    if not value:
+        p.fail(path, "must name at least one guest path (leave it out for verification in the task's machine)")
+    if len(value) > MAX_OUTPUTS:
+        p.fail(path, f"at most {MAX_OUTPUTS} outputs")
+    out: list[str] = []
+    for i, item in enumerate(value):
+        guest = p.guest_path(item, [*path, i])
+        if guest in SYSTEM_PARENTS or any(_overlaps(guest, sp) for sp in SYSTEM_PATHS):
+            p.fail([*path, i], f"'{guest}' is or holds system files ({', '.join(SYSTEM_PATHS[:6])}, ..., /root, "
+                   "/etc, /logs/verifier): an agent's copy must never reach the verifier; name the directories its "
+                   "work lands in (e.g. /app, /logs/agent)")
+        for j, other in enumerate(out):
+            if _overlaps(other, guest):
+                p.fail([*path, i], f"'{guest}' overlaps outputs[{j}] '{other}'")
+        out.append(guest)
+    vmounts = verifier.get("mounts")
+    for vm in p.mounts(vmounts, ["verifier", "mounts"]) if vmounts is not None else ():
+        for i, guest in enumerate(out):
+            if _overlaps(guest, vm.guest):
+                p.fail([*path, i], f"'{guest}' overlaps the verifier mount at '{vm.guest}': the verifier's inputs "
+                       "must not mix with the agent's outputs")
+    checks = verifier.get("checks")
+    for i, c in enumerate(checks if isinstance(checks, list | tuple) else ()):
+        if isinstance(c, dict) and c.get("kind") == "http":
+            p.fail(["verifier", "checks", i], "an http check needs the task's machine, which sealed verification "
+                   "(verifier.outputs) destroys before the checks: drop the check or the outputs")
+    return tuple(out)
 
 
 def _verifier_mounts(p: _Parser, verifier: object, mounts: object) -> tuple[Mount, ...]:

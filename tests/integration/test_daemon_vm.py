@@ -289,3 +289,72 @@ def test_kill_9_restart_readopt_and_destroy(daemon: Daemon, workdir: Path) -> No
         assert not alive(run_pid) and list((daemon.state / "machines").iterdir()) == []
     finally:
         run.kill()
+
+
+SEALED_SMOLFILE = f"""
+image = "default"
+cpus = {VM_CPUS}
+memory = "512M"
+setup = ["mkdir -p /app"]
+task = {{ run = "sh /task/solve.sh", timeout = 300 }}
+[mounts]
+"task" = "/task"
+[verifier]
+outputs = ["/app"]
+[verifier.mounts]
+"tests" = "/tests"
+[timeouts]
+boot = 900
+[[verifier.checks]]
+name = "suite"
+kind = "command"
+run = "python3 /tests/check.py"
+[[verifier.checks]]
+kind = "reward"
+"""
+# The tests: the answer must be 42, checked with the image's own python3; they write the reward.
+CHECK_PY = """import pathlib, sys
+ok = pathlib.Path("/app/answer").read_text().strip() == "42"
+pathlib.Path("/logs/verifier").mkdir(parents=True, exist_ok=True)
+pathlib.Path("/logs/verifier/reward.txt").write_text("1" if ok else "0")
+print("genuine check:", "right" if ok else "wrong")
+sys.exit(0 if ok else 1)
+"""
+# A hostile agent, root in its guest: a wrong answer, then every way it has to rig the verdict in place.
+HOSTILE_SH = """echo 41 > /app/answer
+printf '#!/bin/sh\\necho rigged; exit 0\\n' > /usr/bin/python3.rigged && chmod +x /usr/bin/python3.rigged
+for t in /usr/bin/python3 /usr/local/bin/pytest; do cp /usr/bin/python3.rigged "$t"; done
+echo /nonexistent/rig.so > /etc/ld.so.preload
+mkdir -p /logs/verifier /tests && echo 1 > /logs/verifier/reward.txt && echo 'exit 0' > /tests/check.py
+(sleep 30; while :; do echo 42 > /app/answer; sleep 0.2; done) > /dev/null 2>&1 &
+echo hostile done
+"""
+
+
+def test_a_sealed_run_keeps_a_hostile_agent_from_rigging_the_verdict(daemon: Daemon, workdir: Path) -> None:
+    """Red team (issue #18): sealed verification on real VMs. The agent replaces python3 and pytest, writes
+    /etc/ld.so.preload, plants the reward and the tests, and leaves a process that would fix its answer later: the
+    verdict is FAIL, decided in a pristine machine; the legitimate solution beside it passes."""
+    verdicts = {}
+    for name, solve in (("hostile", HOSTILE_SH), ("legit", "echo 42 > /app/answer\n")):
+        task = workdir / f"sealed-{name}"
+        (task / "task").mkdir(parents=True)
+        (task / "tests").mkdir()
+        (task / "task" / "solve.sh").write_text(solve)
+        (task / "tests" / "check.py").write_text(CHECK_PY)
+        (task / "Smolfile.toml").write_text(SEALED_SMOLFILE)
+        r = subprocess.run(daemon.smolctl_argv("run", "--json", str(task)), capture_output=True, timeout=1500)
+        verdicts[name] = (r.returncode, json.loads(r.stdout) if r.stdout else r.stderr.decode())
+    code, doc = verdicts["hostile"]
+    assert code == 1 and doc["outcome"] == "OUTCOME_FAIL" and doc["sealed"], doc
+    suite, reward = doc["result"]["checks"]
+    assert "genuine check: wrong" in suite["evidence"]["output_tail"], suite
+    assert "rigged" not in suite["evidence"]["output_tail"] and not reward["passed"], reward
+    steps = {s["name"]: s for s in doc["steps"]}
+    assert "hostile done" in steps["task"]["evidence"]["output_tail"], steps["task"]
+    assert "1 files" in steps["outputs"]["evidence"]["detail"] and "verifier.boot" in steps
+    code, doc = verdicts["legit"]
+    assert code == 0 and doc["outcome"] == "OUTCOME_PASS" and doc["sealed"], doc
+    assert doc["verifier_machine_id"] != doc["machine_id"]
+    assert "genuine check: right" in doc["result"]["checks"][0]["evidence"]["output_tail"]
+    assert daemon.smolctl("ls", "-q").stdout == b"" and vmm_processes(daemon.state) == []

@@ -652,3 +652,42 @@ def test_verifier_mount_errors(toml, reason):
     e = error(toml)
     assert e.key.startswith("[verifier.mounts].") and e.reason == reason
     assert [m.host for m in parse('[mounts]\n"tx" = "/x"\n[verifier.mounts]\n"t" = "/t"').verifier_mounts] == ["t"]
+
+
+# --- [verifier] outputs (sealed verification) ------------------------------------------------------------------
+def test_verifier_outputs_parse_round_trip_and_leave_other_digests_alone():
+    s = parse('[verifier]\noutputs = ["/app", "/logs/agent", "/home/u/work", "/tmp/x y"]\n')
+    assert s.verifier_outputs == ("/app", "/logs/agent", "/home/u/work", "/tmp/x y") and s.sealed
+    without = parse("")
+    assert not without.sealed and digest(s) != digest(without)
+    assert "outputs" not in to_mapping(without)["verifier"]  # digests of Smolfiles without them are unchanged
+    assert parse_mapping(to_mapping(s), base_dir=BASE) == s
+    assert boot_state_digest(s) == boot_state_digest(without)  # what the task's work lands in is not a boot input
+    from smold.api import convert  # noqa: PLC0415
+
+    assert convert.smolfile_from_spec_proto(convert.smolfile_to_spec_proto(s)) == s
+
+
+@pytest.mark.parametrize(
+    "toml, key, fragment",
+    [
+        ('[verifier]\noutputs = "/app"', "[verifier].outputs", "must be an array of absolute guest paths"),
+        ('[verifier]\noutputs = []', "[verifier].outputs", "at least one guest path"),
+        ('[verifier]\noutputs = ["app"]', "[verifier].outputs[0]", "must be absolute"),
+        ('[verifier]\noutputs = ["/app/../etc"]', "[verifier].outputs[0]", "must be normalized"),
+        ('[verifier]\noutputs = ["/"]', "[verifier].outputs[0]", "is or holds system files"),
+        ('[verifier]\noutputs = ["/usr/local/app"]', "[verifier].outputs[0]", "is or holds system files"),
+        ('[verifier]\noutputs = ["/etc"]', "[verifier].outputs[0]", "is or holds system files"),
+        ('[verifier]\noutputs = ["/root/out"]', "[verifier].outputs[0]", "is or holds system files"),
+        ('[verifier]\noutputs = ["/logs"]', "[verifier].outputs[0]", "is or holds system files"),
+        ('[verifier]\noutputs = ["/logs/verifier/x"]', "[verifier].outputs[0]", "is or holds system files"),
+        ('[verifier]\noutputs = ["/app", "/app/sub"]', "[verifier].outputs[1]", "overlaps outputs[0] '/app'"),
+        ('[verifier]\noutputs = ["/w"]\n[verifier.mounts]\n"t" = "/w/tests"', "[verifier].outputs[0]",
+         "overlaps the verifier mount at '/w/tests'"),
+        ('[verifier]\noutputs = ["/app"]\n[[verifier.checks]]\nkind = "http"\nurl = "http://127.0.0.1:8000/"',
+         "[verifier].checks[0]", "an http check needs the task's machine"),
+    ],
+)
+def test_verifier_output_errors(toml, key, fragment):
+    e = error(toml)
+    assert e.key == key and fragment in e.reason, (e.key, e.reason)

@@ -165,7 +165,7 @@ class SmolfileToml(_message.Message):
     def __init__(self, text: _Optional[str] = ..., base_dir: _Optional[str] = ..., filename: _Optional[str] = ...) -> None: ...
 
 class SmolfileSpec(_message.Message):
-    __slots__ = ("image", "cpus", "memory_mib", "network", "mounts", "env", "setup", "task", "timeouts", "checks", "base_dir", "verifier_mounts")
+    __slots__ = ("image", "cpus", "memory_mib", "network", "mounts", "env", "setup", "task", "timeouts", "checks", "base_dir", "verifier_mounts", "verifier_outputs")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class SmolfileSpec(_message.Message):
     CHECKS_FIELD_NUMBER: _ClassVar[int]
     BASE_DIR_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     image: str
     cpus: int
     memory_mib: int
@@ -197,7 +198,8 @@ class SmolfileSpec(_message.Message):
     checks: _containers.RepeatedCompositeFieldContainer[Check]
     base_dir: str
     verifier_mounts: _containers.RepeatedCompositeFieldContainer[Mount]
-    def __init__(self, image: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., env: _Optional[_Mapping[str, str]] = ..., setup: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., task: _Optional[_Union[Command, _Mapping]] = ..., timeouts: _Optional[_Union[Timeouts, _Mapping]] = ..., checks: _Optional[_Iterable[_Union[Check, _Mapping]]] = ..., base_dir: _Optional[str] = ..., verifier_mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ...) -> None: ...
+    verifier_outputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, image: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., env: _Optional[_Mapping[str, str]] = ..., setup: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., task: _Optional[_Union[Command, _Mapping]] = ..., timeouts: _Optional[_Union[Timeouts, _Mapping]] = ..., checks: _Optional[_Iterable[_Union[Check, _Mapping]]] = ..., base_dir: _Optional[str] = ..., verifier_mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., verifier_outputs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NetworkPolicy(_message.Message):
     __slots__ = ("allow", "forward")
@@ -538,7 +540,7 @@ class StepResult(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ok: _Optional[bool] = ..., evidence: _Optional[_Union[Evidence, _Mapping]] = ...) -> None: ...
 
 class RunResponse(_message.Message):
-    __slots__ = ("result", "steps", "machine_id", "error", "duration_ms", "network", "outcome", "outcome_detail", "result_id")
+    __slots__ = ("result", "steps", "machine_id", "error", "duration_ms", "network", "outcome", "outcome_detail", "sealed", "verifier_machine_id", "result_id")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -547,6 +549,8 @@ class RunResponse(_message.Message):
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
     RESULT_ID_FIELD_NUMBER: _ClassVar[int]
     result: VerifyResult
     steps: _containers.RepeatedCompositeFieldContainer[StepResult]
@@ -556,8 +560,10 @@ class RunResponse(_message.Message):
     network: NetworkReport
     outcome: Outcome
     outcome_detail: str
+    sealed: bool
+    verifier_machine_id: str
     result_id: str
-    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ..., error: _Optional[str] = ..., duration_ms: _Optional[int] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., outcome_detail: _Optional[str] = ..., result_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ..., error: _Optional[str] = ..., duration_ms: _Optional[int] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., outcome_detail: _Optional[str] = ..., sealed: _Optional[bool] = ..., verifier_machine_id: _Optional[str] = ..., result_id: _Optional[str] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("machine_id", "count")
