@@ -184,6 +184,13 @@ class AsyncClient:
                             labels=dict(labels or {}))
         return RunResult.from_proto(await self._call(self._stub.Run(req, timeout=self.timeout)))
 
+    async def start_run(self, smolfile: PathLike | None = None, *, toml: str | None = None,
+                        base_dir: PathLike | None = None, name: str = "",
+                        labels: Mapping[str, str] | None = None) -> str:
+        req = pb.RunRequest(smolfile=c.smolfile_message(smolfile, toml=toml, base_dir=base_dir), name=name,
+                            labels=dict(labels or {}), detach=True)
+        return str((await self._call(self._stub.Run(req, timeout=self.timeout))).result_id)
+
     async def get_result(self, result_id: str, *, wait: float | None = None) -> StoredResult:
         req = pb.GetResultRequest(id=result_id, wait_seconds=wait)
         return StoredResult.from_proto((await self._call(self._stub.GetResult(req, timeout=self.timeout))).result)

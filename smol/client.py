@@ -162,6 +162,13 @@ class Client:
                             labels=dict(labels or {}))
         return RunResult.from_proto(self._call(self._stub.Run, req))
 
+    def start_run(self, smolfile: PathLike | None = None, *, toml: str | None = None,
+                  base_dir: PathLike | None = None, name: str = "", labels: Mapping[str, str] | None = None) -> str:
+        """A detached Run: its result id at once; ``get_result(id, wait=...)`` has the verdict when it ends."""
+        req = pb.RunRequest(smolfile=c.smolfile_message(smolfile, toml=toml, base_dir=base_dir), name=name,
+                            labels=dict(labels or {}), detach=True)
+        return str(self._call(self._stub.Run, req).result_id)
+
     def get_result(self, result_id: str, *, wait: float | None = None) -> StoredResult:
         """A stored Run or Verify result; ``wait``: first wait up to that many seconds for a running Run."""
         req = pb.GetResultRequest(id=result_id, wait_seconds=wait)

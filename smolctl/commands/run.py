@@ -19,14 +19,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="", help="name of the (short-lived) machine")
     p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
                    help="keep this label with the stored result (repeatable; smolctl results --label finds it)")
+    p.add_argument("--detach", action="store_true",
+                   help="print the stored result's id at once and exit 0; smolctl results ID --wait S has the verdict")
     p.add_argument("--json", action="store_true", help="print the whole RunResponse as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="show output tails of passing steps and checks")
 
 
 def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
+    req = pb.RunRequest(smolfile=smolfile_message(args.smolfile), name=args.name, labels=parse_labels(args.label),
+                        detach=args.detach)
+    if args.detach:
+        resp = stub.Run(req)
+        print(to_json(resp) if args.json else resp.result_id)
+        return 0
     with Progress(f"running {args.smolfile}"):
-        resp = stub.Run(pb.RunRequest(smolfile=smolfile_message(args.smolfile), name=args.name,
-                                      labels=parse_labels(args.label)))
+        resp = stub.Run(req)
     print(to_json(resp) if args.json else run_result(resp, verbose=args.verbose))
     return verdict_exit(resp)
 

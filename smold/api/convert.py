@@ -251,6 +251,7 @@ def step_result_from_proto(msg: pb.StepResult) -> StepResult:
 def run_result_to_proto(r: RunResult, result_id: str = "") -> pb.RunResponse:
     return pb.RunResponse(
         result_id=result_id,
+        state=pb.RESULT_STATE_DONE,
         result=verify_result_to_proto(r.result),
         steps=[step_result_to_proto(s) for s in r.steps],
         machine_id=r.machine_id,

@@ -1457,6 +1457,11 @@ class Controller:
             log.error("%s", e)
 
     # --- shutdown -----------------------------------------------------------------------------------------------
+    @property
+    def closing(self) -> bool:
+        """The daemon is shutting down: no new machines."""
+        return self._closing
+
     def stop_admitting(self) -> None:
         """Refuse new machines from now on (the daemon is shutting down)."""
         self._closing = True

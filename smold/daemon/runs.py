@@ -26,7 +26,7 @@ from smold.smolfile import Check, Smolfile
 from smold.verifier import Outcome, VerifyResult
 
 from .controller import Controller
-from .errors import DaemonError, InvalidRequestError, Status
+from .errors import DaemonError, InvalidRequestError, ShuttingDownError, Status
 from .results import (
     INTERRUPTED_DETAIL,
     ResultStore,
@@ -54,11 +54,7 @@ class Runs:
     async def run(self, smolfile: Smolfile, name: str = "", filename: str = "Smolfile.toml",
                   labels: Mapping[str, str] | None = None) -> tuple[RunResult, str]:
         """The Run's result and its id. Cancelling this call (the client left) does not cancel the Run."""
-        wanted = validate_labels(dict(labels or {}))
-        rid = await self.store.begin("run", wanted)
-        task = asyncio.create_task(self._run(rid, smolfile, name, filename), name=f"run {rid}")
-        self._tasks[rid] = task
-        task.add_done_callback(lambda t: self._done(rid, t))
+        rid, task = await self.start(smolfile, name, filename, labels, detached=False)
         try:
             return await asyncio.shield(task), rid
         except asyncio.CancelledError:
@@ -66,19 +62,34 @@ class Runs:
                 log.info("run %s: its client went away; it goes on and stores its result", rid)
             raise
 
+    async def start(self, smolfile: Smolfile, name: str = "", filename: str = "Smolfile.toml",
+                    labels: Mapping[str, str] | None = None, *,
+                    detached: bool = True) -> tuple[str, asyncio.Task[RunResult]]:
+        """Start a Run (its row written ``running`` first); its id and the task that ends it. A detached Run's
+        client only gets the id, so a refusal (a limit, a name in use) is stored as its ``infra_error`` result
+        rather than dropped."""
+        if self.controller.closing:
+            raise ShuttingDownError("the daemon is shutting down: no new Runs")
+        wanted = validate_labels(dict(labels or {}))
+        rid = await self.store.begin("run", wanted)
+        task = asyncio.create_task(self._run(rid, smolfile, name, filename, detached), name=f"run {rid}")
+        self._tasks[rid] = task
+        task.add_done_callback(lambda t: self._done(rid, t))
+        return rid, task
+
     def _done(self, rid: str, task: asyncio.Task[RunResult]) -> None:
         self._tasks.pop(rid, None)
         if not task.cancelled() and task.exception() is not None:  # retrieved here: the client may be gone
             log.debug("run %s ended with an error: %s", rid, task.exception())
 
-    async def _run(self, rid: str, smolfile: Smolfile, name: str, filename: str) -> RunResult:
+    async def _run(self, rid: str, smolfile: Smolfile, name: str, filename: str, detached: bool) -> RunResult:
         try:
             result = await self.controller.run(smolfile, name, filename, run_result=rid)
         except asyncio.CancelledError:
             await self._end(rid, ResultState.INTERRUPTED, Outcome.INTERRUPTED, INTERRUPTED_DETAIL)
             raise
         except DaemonError as e:
-            if e.status in REFUSALS:
+            if e.status in REFUSALS and not detached:
                 with contextlib.suppress(ResultStoreError):
                     await self.store.discard(rid)
             else:

@@ -133,6 +133,9 @@ class SmolServicer(pb_grpc.SmolServicer):
     async def Run(self, request: pb.RunRequest, context: Any) -> pb.RunResponse:
         async def go() -> pb.RunResponse:
             sf, filename = self._smolfile(request.smolfile)
+            if request.detach:
+                rid, _ = await self.runs.start(sf, request.name, filename, dict(request.labels))
+                return pb.RunResponse(result_id=rid, state=pb.RESULT_STATE_RUNNING)
             result, rid = await self.runs.run(sf, request.name, filename, dict(request.labels))
             return convert.run_result_to_proto(result, result_id=rid)
         return await self._call(context, go)

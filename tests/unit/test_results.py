@@ -213,6 +213,30 @@ async def test_a_run_whose_client_leaves_still_ends_and_stores_its_result(env: E
     assert (await env.stub.ListMachines(pb.ListMachinesRequest())).machines == []
 
 
+async def test_a_detached_run_replies_at_once_and_its_verdict_is_fetched_later(env: Env) -> None:
+    answer, go = env.dir / "answer", env.dir / "go"
+    resp = await env.stub.Run(pb.RunRequest(smolfile=env.smolfile(f"while [ ! -e {go} ]; do sleep 0.05; done; "
+                                                                  f"echo 42 > {answer}"),
+                                            labels={"mode": "detached"}, detach=True))
+    assert resp.state == pb.RESULT_STATE_RUNNING and resp.result_id.startswith("r-") and not resp.steps
+    got = (await env.stub.GetResult(pb.GetResultRequest(id=resp.result_id, wait_seconds=0.2))).result
+    assert got.state == pb.RESULT_STATE_RUNNING and not got.HasField("run")  # the wait ran out first
+    go.touch()
+    got = (await env.stub.GetResult(pb.GetResultRequest(id=resp.result_id, wait_seconds=60))).result
+    assert (got.state, got.outcome) == (pb.RESULT_STATE_DONE, pb.OUTCOME_PASS)
+    assert got.run.state == pb.RESULT_STATE_DONE and got.run.result_id == resp.result_id
+
+    # a detached Run refused by a limit is stored as infra_error: its client holds nothing but the id
+    big = pb.Smolfile(spec=pb.SmolfileSpec(memory_mib=2048, cpus=1))
+    first = await env.stub.Run(pb.RunRequest(smolfile=env.smolfile(f"sleep 0.5; echo 42 > {answer}"), name="x",
+                                             detach=True))
+    second = await env.stub.Run(pb.RunRequest(smolfile=big, detach=True))
+    got = (await env.stub.GetResult(pb.GetResultRequest(id=second.result_id, wait_seconds=60))).result
+    assert got.outcome == pb.OUTCOME_INFRA_ERROR and "memory" in got.outcome_detail, got
+    got = (await env.stub.GetResult(pb.GetResultRequest(id=first.result_id, wait_seconds=60))).result
+    assert got.outcome == pb.OUTCOME_PASS
+
+
 async def test_sigterm_mid_run_stores_it_interrupted_and_removes_its_machine(workdir: Path) -> None:
     config = DaemonConfig(socket_path=workdir / "smold.sock", state_dir=workdir / "state", max_machines=4,
                           max_memory_mib=2048, destroy_grace_s=5.0)
@@ -306,5 +330,11 @@ def test_smolctl_and_the_sdk_read_stored_results(workdir: Path) -> None:
             assert [x.id for x in client.list_results(labels={"agent": "sdk"})] == [run.result_id]
             assert [x.id for x in client.list_results(kind="run")] == [run.result_id, rid]
             assert all(x.run is None for x in client.list_results())
+            rid2 = client.start_run(task, labels={"agent": "detached"})
+            assert client.get_result(rid2, wait=60).outcome == "pass"
+        detached = d.smolctl("run", "--detach", str(task))
+        assert detached.returncode == 0 and detached.stdout.decode().strip().startswith("r-"), detached.stderr
+        waited = d.smolctl("results", detached.stdout.decode().strip(), "--wait", "60")
+        assert waited.returncode == 0 and b"PASS" in waited.stdout, waited.stdout
     finally:
         assert d.terminate() == 0, d.log_text()

@@ -513,7 +513,7 @@ class DestroyMachineResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("smolfile", "name", "labels")
+    __slots__ = ("smolfile", "name", "labels", "detach")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -524,10 +524,12 @@ class RunRequest(_message.Message):
     SMOLFILE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
     smolfile: Smolfile
     name: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, smolfile: _Optional[_Union[Smolfile, _Mapping]] = ..., name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    detach: bool
+    def __init__(self, smolfile: _Optional[_Union[Smolfile, _Mapping]] = ..., name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., detach: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("name", "ok", "evidence")
@@ -540,7 +542,7 @@ class StepResult(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ok: _Optional[bool] = ..., evidence: _Optional[_Union[Evidence, _Mapping]] = ...) -> None: ...
 
 class RunResponse(_message.Message):
-    __slots__ = ("result", "steps", "machine_id", "error", "duration_ms", "network", "outcome", "outcome_detail", "sealed", "verifier_machine_id", "result_id")
+    __slots__ = ("result", "steps", "machine_id", "error", "duration_ms", "network", "outcome", "outcome_detail", "sealed", "verifier_machine_id", "result_id", "state")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -552,6 +554,7 @@ class RunResponse(_message.Message):
     SEALED_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
     RESULT_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     result: VerifyResult
     steps: _containers.RepeatedCompositeFieldContainer[StepResult]
     machine_id: str
@@ -563,7 +566,8 @@ class RunResponse(_message.Message):
     sealed: bool
     verifier_machine_id: str
     result_id: str
-    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ..., error: _Optional[str] = ..., duration_ms: _Optional[int] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., outcome_detail: _Optional[str] = ..., sealed: _Optional[bool] = ..., verifier_machine_id: _Optional[str] = ..., result_id: _Optional[str] = ...) -> None: ...
+    state: ResultState
+    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ..., error: _Optional[str] = ..., duration_ms: _Optional[int] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., outcome_detail: _Optional[str] = ..., sealed: _Optional[bool] = ..., verifier_machine_id: _Optional[str] = ..., result_id: _Optional[str] = ..., state: _Optional[_Union[ResultState, str]] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("machine_id", "count")
