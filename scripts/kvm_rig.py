@@ -240,7 +240,7 @@ echo $! > /run/rig-heartbeat.pid
 [ -c /dev/kvm ] || rigfail "kvm_amd loaded but /dev/kvm is missing"
 chmod 0666 /dev/kvm
 for m in tun loop vhost_vsock nf_tables veth bridge br_netfilter; do modprobe -q $m 2>/dev/null || true; done
-echo "kvm-rig: QEMU @QEMU@, $(nproc) CPUs, $(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024)) MiB, kernel $(uname -r)," \
+echo "kvm-rig: QEMU @QEMU@ (-cpu @CPU@), $(nproc) CPUs, $(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024)) MiB, kernel $(uname -r)," \
      "$(dmesg | grep -o 'Nested Paging enabled' | head -1), booted in $(cut -d' ' -f1 /proc/uptime) s" >> $J/output
 python3 - <<'EOF' || rigfail "job.json: bad job description"
 import json, os, shlex
@@ -377,11 +377,27 @@ def qemu_version(qemu: str) -> tuple[int, ...]:
     return tuple(int(g) for g in m.groups() if g is not None) if m else (0,)
 
 
+_PARAM_RE = re.compile(r"[a-z][a-z0-9_]{0,31}=[A-Za-z0-9_.-]{1,32}")
+_CPU_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+,=-]{0,127}")
+
+
+def _module_param(text: str) -> str:
+    if not _PARAM_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not PARAM=VALUE (letters, digits, '_', '.', '-')")
+    return text
+
+
+def _cpu_model(text: str) -> str:
+    if not _CPU_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a QEMU CPU model")
+    return text
+
+
 def qemu_argv(qemu: str, tree: KernelTree, initramfs: Path, jobdir: Path, cpus: int, memory_mib: int,
-              shares: list[str] | tuple[str, ...] = ()) -> list[str]:
+              shares: list[str] | tuple[str, ...] = (), cpu_model: str = "max") -> list[str]:
     cmdline = ("console=ttyS0 panic=-1 loglevel=4 mitigations=off random.trust_cpu=on "
                "systemd.unified_cgroup_hierarchy=1 rdinit=/init")
-    return [qemu, "-accel", "tcg,thread=multi", "-cpu", "max", "-smp", str(cpus),
+    return [qemu, "-accel", "tcg,thread=multi", "-cpu", cpu_model, "-smp", str(cpus),
             "-m", f"{memory_mib}M", "-M", "q35", "-nodefaults", "-nographic", "-no-reboot", "-nic", "none",
             "-kernel", str(tree.vmlinuz), "-initrd", str(initramfs), "-append", cmdline,
             "-serial", f"file:{jobdir / 'console.log'}", "-monitor", "none",
@@ -439,15 +455,16 @@ class Rig:
             raise RigError(f"{busybox} is missing (apt-get install busybox-static)")
         tree = kernel_tree(self.args)
         initramfs = build_initramfs(tree, busybox, default_cache_root())
-        kvm_load = "false" if self.args.break_kvm else "modprobe kvm_amd"
+        kvm_load = "false" if self.args.break_kvm else " ".join(["modprobe", "kvm_amd", *self.args.kvm_amd])
         init = (RIG_INIT.replace("@MODULES@", str(tree.modules)).replace("@KVER@", tree.version)
                 .replace("@KVM_LOAD@", kvm_load).replace("@MSIZE@", str(MSIZE))
-                .replace("@QEMU@", ".".join(map(str, version))))
+                .replace("@QEMU@", ".".join(map(str, version))).replace("@CPU@", self.args.cpu_model))
         (self.jobdir / "init").write_text(init)
         (self.jobdir / "init").chmod(0o755)
         (self.jobdir / "job.json").write_text(json.dumps(dataclasses.asdict(self.job)))
         (self.jobdir / "output").touch()
-        return qemu_argv(qemu, tree, initramfs, self.jobdir, self.args.cpus, self.args.memory, self.job.shares)
+        return qemu_argv(qemu, tree, initramfs, self.jobdir, self.args.cpus, self.args.memory, self.job.shares,
+                         self.args.cpu_model)
 
     def pump(self) -> None:
         """Copy what the command wrote since the last call to our output."""
@@ -554,6 +571,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--qemu", default="qemu-system-x86_64")
     p.add_argument("--busybox", default="/bin/busybox")
     p.add_argument("--kernel-root", help="use boot/vmlinuz-V and lib/modules/V under this root instead of apt's")
+    p.add_argument("--cpu-model", default="max", type=_cpu_model,
+                   help="QEMU's -cpu for the rig (default max; e.g. EPYC-v4: it must have svm)")
+    p.add_argument("--kvm-amd", action="append", default=[], type=_module_param, metavar="PARAM=VALUE",
+                   help="a kvm_amd module parameter in the rig, e.g. vgif=0 (repeatable; docs/kvm-rig.md)")
     p.add_argument("--break-kvm", action="store_true", help=argparse.SUPPRESS)   # CI's check that a broken rig fails
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)

@@ -91,3 +91,16 @@ def test_qemu_version_from_its_banner_or_zero(tmp_path: Path) -> None:
     assert kvm_rig.qemu_version(str(fake)) == (0,)
     assert kvm_rig.qemu_version(str(tmp_path / "missing")) == (0,)
     assert (7, 2) < (10, 0) <= (10, 0, 2)     # how prepare() compares them
+
+
+def test_candidate_options_reach_qemu_and_the_module_load(tmp_path: Path) -> None:
+    """--cpu-model and --kvm-amd (docs/kvm-rig.md, "Candidates measured"); anything shell-like is refused."""
+    tree = kvm_rig.KernelTree("6.1.0-57-amd64", tmp_path / "vmlinuz", tmp_path / "modules")
+    argv = kvm_rig.qemu_argv("qemu", tree, tmp_path / "initrd", tmp_path / "job", 2, 4096, cpu_model="EPYC-v4")
+    assert argv[argv.index("-cpu") + 1] == "EPYC-v4"
+    args = kvm_rig.parse_args(["--kvm-amd", "vgif=0", "--kvm-amd", "avic=1", "--cpu-model", "EPYC-v4", "--", "true"])
+    assert (args.kvm_amd, args.cpu_model) == (["vgif=0", "avic=1"], "EPYC-v4")
+    assert kvm_rig.parse_args(["--", "true"]).cpu_model == "max"
+    for bad in (["--kvm-amd", "vgif=0; reboot"], ["--kvm-amd", "vgif"], ["--cpu-model", "max $(x)"]):
+        with pytest.raises(SystemExit):
+            kvm_rig.parse_args([*bad, "--", "true"])
