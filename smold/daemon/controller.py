@@ -858,8 +858,7 @@ class Controller:
             start = time.monotonic()
 
             def undecided(name: str, evidence: Evidence) -> VerifyResult:
-                check = CheckResult(name, "mount", False, evidence, error=True)
-                return VerifyResult(False, (check,), m.image_digest, m.smolfile_digest, _ms_since(start))
+                return _undecided(m, name, "mount", evidence, start)
 
             # the sources are checked again now, not only at create: a client could have swapped one for a symlink
             # out of the task directory (or out of --mount-root) since, and a restored machine was never checked
@@ -898,11 +897,9 @@ class Controller:
             except (AgentError, OSError) as e:
                 detail = str(e)
             if detail:
-                undecided = CheckResult("clear reward files", "reward", False,
-                                        Evidence(duration_ms=_ms_since(start),
-                                                 detail=f"removing stale reward files {', '.join(rewards)} failed: "
-                                                        f"{detail}"), error=True)
-                return VerifyResult(False, (undecided,), m.image_digest, m.smolfile_digest, _ms_since(start))
+                return _undecided(m, "clear reward files", "reward",
+                                  Evidence(duration_ms=_ms_since(start), detail=f"removing stale reward files "
+                                           f"{', '.join(rewards)} failed: {detail}"), start)
         return await verify(client, checks, env=m.environ or None, timeout=sf.timeouts.verify,
                             image_digest=m.image_digest, smolfile_digest=m.smolfile_digest)
 
@@ -1411,9 +1408,8 @@ class Controller:
         await self._destroy_quietly(m)
         if packed is None:
             steps.append(StepResult("outputs", False, Evidence(duration_ms=_ms_since(t0), detail=why)))
-            undecided = CheckResult("outputs", "outputs", False, Evidence(detail=f"the task's outputs could not be "
-                                                                          f"taken: {why}"), error=True)
-            result = VerifyResult(False, (undecided,), m.image_digest, m.smolfile_digest, 0)
+            result = _undecided(m, "outputs", "outputs", Evidence(detail=f"the task's outputs could not be taken: "
+                                                                  f"{why}"), t0)
             return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start), network=network, sealed=True)
         missing = [o for o in sf.verifier_outputs if o not in packed.present]
         detail = packed.describe() + (f"; not present: {', '.join(missing)}" if missing else "")
@@ -1439,10 +1435,8 @@ class Controller:
                     await guestops.place_outputs(client, v.id, sf.verifier_outputs, packed.archive)
                 result = await self._verify(v, keep=True)
             except DaemonError as e:
-                undecided = CheckResult("outputs", "outputs", False, Evidence(detail=f"placing the task's outputs in "
-                                                                              f"the verifier machine failed: {e}"),
-                                        error=True)
-                result = VerifyResult(False, (undecided,), m.image_digest, m.smolfile_digest, 0)
+                result = _undecided(m, "outputs", "outputs", Evidence(detail=f"placing the task's outputs in the "
+                                                                      f"verifier machine failed: {e}"), t0)
             return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start), network=network, sealed=True,
                              verifier_machine_id=v.id)
         finally:
@@ -1545,6 +1539,12 @@ def _read_capped(path: Path, cap: int) -> bytes:
     if len(data) > cap:
         raise LimitExceededError(f"{path}: larger than the copy cap of {cap} bytes")
     return data
+
+
+def _undecided(m: Machine, name: str, kind: str, evidence: Evidence, start: float) -> VerifyResult:
+    """A verdict the verifier could not reach (verifier_error): one undecided check saying why."""
+    check = CheckResult(name, kind, False, evidence, error=True)
+    return VerifyResult(False, (check,), m.image_digest, m.smolfile_digest, _ms_since(start))
 
 
 def _ms_since(start: float) -> int:
