@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import tarfile
 import time
 import uuid
@@ -93,7 +94,10 @@ def _copy_step(r: _Runner, task: taskdir.Task, step: taskdir.Step) -> None:
 
 
 def _reward(stub: pb_grpc.SmolStub, machine_id: str) -> tuple[float | None, dict[str, float], str]:
-    """The reward (reward.txt, else reward.json's "reward" or its only value), all rewards, and an error."""
+    """Harbor's reward rules (harbor.verifier.Verifier): reward.json if it exists (a number, or named numbers,
+    all kept), else reward.txt (one number); empty, non-numeric or non-finite is an error. Returns the reward
+    (the one named "reward", else the only one, else the lowest: a pass needs every reward at least 1), all
+    rewards, and an error."""
     def read(path: str) -> bytes | None:
         try:
             return bytes(stub.CopyOut(pb.CopyOutRequest(machine_id=machine_id, path=path)).content)
@@ -102,26 +106,36 @@ def _reward(stub: pb_grpc.SmolStub, machine_id: str) -> tuple[float | None, dict
                 return None
             raise
 
-    txt = read(REWARD_TXT)
-    if txt is not None:
-        try:
-            value = float(txt.decode().strip())
-        except (UnicodeDecodeError, ValueError):
-            return None, {}, f"{REWARD_TXT}: not a number: {txt[:100]!r}"
-        return value, {"reward": value}, ""
     raw = read(REWARD_JSON)
-    if raw is None:
-        return None, {}, f"the verifier wrote neither {REWARD_TXT} nor {REWARD_JSON}"
+    if raw is not None:
+        if not raw:
+            return None, {}, f"{REWARD_JSON} is empty"
+        try:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            return None, {}, f"{REWARD_JSON}: not JSON: {e}"
+        rewards = doc if isinstance(doc, dict) else {"reward": doc}
+        for key, value in rewards.items():
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                return None, {}, f"{REWARD_JSON}: reward {key!r} is {value!r}, not a finite number"
+        if not rewards:
+            return None, {}, f"{REWARD_JSON} names no reward"
+        values = {str(k): float(v) for k, v in rewards.items()}
+        if "reward" in values:
+            return values["reward"], values, ""
+        return min(values.values()), values, ""
+    txt = read(REWARD_TXT)
+    if txt is None:
+        return None, {}, f"the verifier wrote neither {REWARD_JSON} nor {REWARD_TXT}"
+    if not txt:
+        return None, {}, f"{REWARD_TXT} is empty"
     try:
-        doc = json.loads(raw)
-        rewards = {str(k): float(v) for k, v in doc.items()} if isinstance(doc, dict) else {"reward": float(doc)}
-    except (ValueError, TypeError) as e:
-        return None, {}, f"{REWARD_JSON}: {e}"
-    if "reward" in rewards:
-        return rewards["reward"], rewards, ""
-    if len(rewards) == 1:
-        return next(iter(rewards.values())), rewards, ""
-    return None, rewards, f"{REWARD_JSON}: several rewards and none named 'reward'"
+        value = float(txt.decode().strip())
+    except (UnicodeDecodeError, ValueError):
+        return None, {}, f"{REWARD_TXT}: not a number: {txt[:100]!r}"
+    if not math.isfinite(value):
+        return None, {}, f"{REWARD_TXT}: not a finite number: {value!r}"
+    return value, {"reward": value}, ""
 
 
 def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
@@ -194,7 +208,9 @@ def _run_task(r: _Runner, task: taskdir.Task) -> str:
            ["sh", "-c", "mkdir -p /logs/verifier /logs/agent && exec bash /solution/solve.sh"],
            cwd=task.workdir, env=task.env, timeout=task.agent_timeout)
     r.copy_tar(_tar([(task.path / "tests", ".")]), "/tests")
-    r.exec("verifier: tests/test.sh", ["sh", "-c", "mkdir -p /logs/verifier && exec bash /tests/test.sh"],
+    # Stale rewards go first (as Harbor does): a reward file the solution planted never becomes the verdict.
+    r.exec("verifier: tests/test.sh", ["sh", "-c", f"mkdir -p /logs/verifier && rm -f -- {REWARD_TXT} {REWARD_JSON} "
+                                       "&& exec bash /tests/test.sh"],
            cwd=task.workdir, env={**task.env, **task.verifier_env}, timeout=task.verifier_timeout)
     return ""
 

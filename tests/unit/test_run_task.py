@@ -101,6 +101,31 @@ def test_timeouts_and_missing_reward(daemon: DaemonProcess, tmp_path: Path) -> N
     assert "wrote neither" in out["error"]
 
 
+@pytest.mark.parametrize("reward_json, expected", [
+    ('{"accuracy": 1, "style": 1.0}', (0, 1.0, {"accuracy": 1.0, "style": 1.0}, "")),
+    ('{"accuracy": 1, "style": 0.5}', (1, 0.5, {"accuracy": 1.0, "style": 0.5}, "")),  # every reward must be 1
+    ("0.25", (1, 0.25, {"reward": 0.25}, "")),
+    ('{"reward": NaN}', (1, None, {}, "not a finite number")),
+    ('{"reward": "1"}', (1, None, {}, "not a finite number")),
+    ("", (1, None, {}, "reward.json is empty")),
+])
+def test_harbor_reward_rules(daemon: DaemonProcess, tmp_path: Path, reward_json: str, expected: tuple) -> None:
+    """reward.json first, with every named reward kept (Harbor 0.26's Verifier); a reward.txt beside it is
+    ignored, and one the solution planted is removed before the tests run."""
+    test = f"#!/bin/bash\nprintf '%s' '{reward_json}' > /logs/verifier/reward.json\necho 1 > /logs/verifier/reward.txt\n"
+    task = write_task(tmp_path, "rules", "echo 1 > /logs/verifier/reward.txt\n", test=test)
+    code, out = run_task(daemon, task)
+    assert (code, out["reward"], out["rewards"]) == expected[:3], json.dumps(out, indent=1)
+    assert expected[3] in out["error"]
+
+
+def test_a_reward_the_solution_planted_is_removed_before_the_tests(daemon: DaemonProcess, tmp_path: Path) -> None:
+    task = write_task(tmp_path, "planted", 'echo 1 > /logs/verifier/reward.txt; echo \'{"reward": 1}\' > '
+                      "/logs/verifier/reward.json\n", test="#!/bin/bash\ntrue\n")
+    code, out = run_task(daemon, task)
+    assert code == 1 and out["reward"] is None and "wrote neither" in out["error"], out
+
+
 def test_refusals(daemon: DaemonProcess, tmp_path: Path) -> None:
     net = write_task(tmp_path, "wantsnet", "true\n", toml="[environment]\nallow_internet = true\n")
     res = daemon.smolctl("run-task", str(net))
