@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import os
 import posixpath
+import re
 import shlex
 import tomllib
 from dataclasses import dataclass, field
@@ -14,6 +17,9 @@ DEFAULT_VERIFIER_TIMEOUT = 600.0
 DEFAULT_BUILD_TIMEOUT = 600.0
 # Instructions that only matter to a long-running container; a one-shot task run ignores them.
 IGNORED = {"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "MAINTAINER", "HEALTHCHECK", "STOPSIGNAL"}
+# Harbor's env templates (harbor.utils.env.resolve_env_vars): a whole value "${VAR}" or "${VAR:-default}" is
+# taken from the host's environment (here: smolctl's).
+_TEMPLATE = re.compile(r"\$\{([^}:]+)(?::-(.*))?\}")
 
 
 class TaskError(Exception):
@@ -44,7 +50,41 @@ class Task:
     image: str = "default"
     steps: list[Step] = field(default_factory=list)
     workdir: str = "/"
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)      # the Dockerfile's ENV, then [environment.env]
+    solution_env: dict[str, str] = field(default_factory=dict)
+    agent_user: str = ""                                    # "" : root (the image's default user)
+    verifier_user: str = ""
+
+
+def _env(table: dict[str, Any], where: str) -> dict[str, str]:
+    """An ``env`` table of strings, with Harbor's ``${VAR}`` / ``${VAR:-default}`` templates resolved."""
+    raw = table.get("env", {})
+    if not isinstance(raw, dict):
+        raise TaskError(f"{where}: env must be a table of strings")
+    out = {}
+    for key, value in raw.items():
+        if not isinstance(value, str):
+            raise TaskError(f"{where}: env {key!r} must be a string (got {value!r})")
+        m = _TEMPLATE.fullmatch(value)
+        if m is None:
+            out[str(key)] = value
+        elif m.group(1) in os.environ:
+            out[str(key)] = os.environ[m.group(1)]
+        elif m.group(2) is not None:
+            out[str(key)] = m.group(2)
+        else:
+            raise TaskError(f"{where}: env {key!r} is {value!r}, but {m.group(1)} is not set in smolctl's "
+                            "environment (set it, or give a default: ${VAR:-default})")
+    return out
+
+
+def _user(table: dict[str, Any], where: str) -> str:
+    value = table.get("user")
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, str | int) or str(value) == "":
+        raise TaskError(f"{where}: user must be a user name or a numeric uid (got {value!r})")
+    return str(value)
 
 
 def _number(table: dict[str, Any], key: str, default: float, where: str) -> float:
@@ -73,20 +113,32 @@ def load(path: Path) -> Task:
         task.agent_timeout = _number(agent, "timeout_sec", DEFAULT_AGENT_TIMEOUT, f"{where}: [agent]")
         task.verifier_timeout = _number(verifier, "timeout_sec", DEFAULT_VERIFIER_TIMEOUT, f"{where}: [verifier]")
         task.build_timeout = _number(env, "build_timeout_sec", DEFAULT_BUILD_TIMEOUT, f"{where}: [environment]")
-        task.verifier_env = {str(k): str(v) for k, v in verifier.get("env", {}).items()}
+        task.verifier_env = _env(verifier, f"{where}: [verifier]")
+        environment_env = _env(env, f"{where}: [environment]")
+        task.solution_env = _env(doc.get("solution", {}), f"{where}: [solution]")
+        task.agent_user = _user(agent, f"{where}: [agent]")
+        task.verifier_user = _user(verifier, f"{where}: [verifier]")
+        workdir = env.get("workdir")
+        if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
+            raise TaskError(f"{where}: [environment] workdir must be an absolute path (got {workdir!r})")
         if env.get("allow_internet") is True or env.get("network"):
             raise TaskError(f"{where}: [environment] asks for network access, which smol run-task does not "
                             "support yet (tasks run with networking off)")
-        if "cpus" in env:
-            task.cpus = int(_number(env, "cpus", 1, f"{where}: [environment]"))
+        if "cpus" in env:  # a fraction of a CPU (Docker's --cpus) rounds up: a machine has whole vCPUs
+            task.cpus = math.ceil(_number(env, "cpus", 1, f"{where}: [environment]"))
         if "memory_mb" in env:
             task.memory_mib = int(_number(env, "memory_mb", 1024, f"{where}: [environment]"))
         if env.get("docker_image"):
             raise TaskError(f"{where}: [environment] docker_image {env['docker_image']!r}: smol cannot pull "
                             "container images; give an environment/Dockerfile that builds on the default image")
+    else:
+        environment_env, workdir = {}, None
     dockerfile = path / "environment" / "Dockerfile"
     if dockerfile.exists():
         _parse_dockerfile(task, dockerfile)
+    task.env.update(environment_env)  # [environment.env] over the Dockerfile's ENV (Harbor: the container's env)
+    if workdir is not None:
+        task.workdir = posixpath.normpath(workdir)  # [environment] workdir overrides WORKDIR
     return task
 
 

@@ -48,9 +48,11 @@ class _Runner:
         self.stub, self.machine_id = stub, machine_id
         self.steps: list[dict[str, Any]] = []
 
-    def exec(self, name: str, argv: list[str], *, cwd: str, env: dict[str, str], timeout: float) -> bool:
+    def exec(self, name: str, argv: list[str], *, cwd: str, env: dict[str, str], timeout: float,
+             user: str = "", quiet: bool = False) -> bool:
+        """Run one command as a step; ``quiet``: housekeeping, recorded as a step only if it fails."""
         start = time.monotonic()
-        req = pb.ExecRequest(machine_id=self.machine_id, argv=argv, cwd=cwd, env=env,
+        req = pb.ExecRequest(machine_id=self.machine_id, argv=argv, cwd=cwd, env=env, user=user,
                              timeout_seconds=max(timeout, 0.001))
         out = bytearray()
         code: int | None = None
@@ -70,8 +72,10 @@ class _Runner:
         ok = code == 0 and not timed_out
         detail = (f"timed out after {timeout:g}s" if timed_out else f"exit {code}" if code is not None
                   else f"signal {sig}" if sig is not None else "did not run")
-        self.steps.append({"name": name, "ok": ok, "detail": detail, "duration_s": round(time.monotonic() - start, 3),
-                           "output_tail": out[-4096:].decode("utf-8", "replace")})
+        if not (quiet and ok):
+            self.steps.append({"name": name, "ok": ok, "detail": detail,
+                               "duration_s": round(time.monotonic() - start, 3),
+                               "output_tail": out[-4096:].decode("utf-8", "replace")})
         return ok
 
     def copy_tar(self, archive: bytes, dest: str) -> None:
@@ -204,14 +208,20 @@ def _run_task(r: _Runner, task: taskdir.Task) -> str:
                         timeout=deadline - time.monotonic()):
             return f"{label}: the build step failed (smol builds Dockerfiles offline on its default image)"
     r.copy_tar(_tar([(task.path / "solution", ".")]), "/solution")
-    r.exec("agent: oracle solution/solve.sh",
-           ["sh", "-c", "mkdir -p /logs/verifier /logs/agent && exec bash /solution/solve.sh"],
-           cwd=task.workdir, env=task.env, timeout=task.agent_timeout)
+    # /logs/* writable by every user, as Harbor's mounted log directories are (the agent or the tests may not be root)
+    if not r.exec("setup: /logs and the working directory",
+                  ["sh", "-c", 'mkdir -p -- /logs/verifier /logs/agent "$1" && chmod 0777 /logs/verifier /logs/agent',
+                   "sh", task.workdir], cwd="/", env={}, timeout=60, quiet=True):
+        return f"creating /logs/verifier, /logs/agent and {task.workdir} failed"
+    r.exec("agent: oracle solution/solve.sh", ["bash", "/solution/solve.sh"],
+           cwd=task.workdir, env={**task.env, **task.solution_env}, timeout=task.agent_timeout, user=task.agent_user)
     r.copy_tar(_tar([(task.path / "tests", ".")]), "/tests")
     # Stale rewards go first (as Harbor does): a reward file the solution planted never becomes the verdict.
-    r.exec("verifier: tests/test.sh", ["sh", "-c", f"mkdir -p /logs/verifier && rm -f -- {REWARD_TXT} {REWARD_JSON} "
-                                       "&& exec bash /tests/test.sh"],
-           cwd=task.workdir, env={**task.env, **task.verifier_env}, timeout=task.verifier_timeout)
+    if not r.exec("verifier: clear stale rewards", ["rm", "-f", "--", REWARD_TXT, REWARD_JSON], cwd="/", env={},
+                  timeout=60, quiet=True):
+        return "removing stale reward files before the tests failed"
+    r.exec("verifier: tests/test.sh", ["bash", "/tests/test.sh"], cwd=task.workdir,
+           env={**task.env, **task.verifier_env}, timeout=task.verifier_timeout, user=task.verifier_user)
     return ""
 
 

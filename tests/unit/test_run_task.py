@@ -126,6 +126,32 @@ def test_a_reward_the_solution_planted_is_removed_before_the_tests(daemon: Daemo
     assert code == 1 and out["reward"] is None and "wrote neither" in out["error"], out
 
 
+def test_task_toml_env_workdir_user_and_cpus(daemon: DaemonProcess, tmp_path: Path, monkeypatch,
+                                             request: pytest.FixtureRequest) -> None:
+    """[environment.env] (with Harbor's ${VAR:-default} templates), [solution.env], [verifier.env], [environment]
+    workdir over WORKDIR, [verifier] user, and a fractional cpus rounded up."""
+    monkeypatch.setenv("SMOL_TEST_TOKEN", "from-host")
+    wd = Path(f"/tmp/smol-rt-wd-{os.getpid()}-{tmp_path.name}")  # reachable by nobody (pytest's tmp_path is 0700)
+    request.addfinalizer(lambda: shutil.rmtree(wd, ignore_errors=True))
+    solve = 'echo "$BASE $TOKEN $DFLT $SOL ${VER:-none} $(pwd)" > answer.txt\n'
+    test = ('#!/bin/bash\nread -r line < answer.txt\n'
+            f'if [ "$line" = "base from-host d1 sol none {wd}" ] && [ "$VER" = ver ] && [ "$(id -u)" = 65534 ] '
+            '&& [ -z "$SOL" ]; then echo 1; else echo "0 $line $VER $(id -u)"; fi > /logs/verifier/reward.txt\n')
+    toml = ('[environment]\ncpus = 0.5\nworkdir = "' + str(wd) + '"\n'
+            '[environment.env]\nBASE = "base"\nTOKEN = "${SMOL_TEST_TOKEN}"\nDFLT = "${SMOL_UNSET_X:-d1}"\n'
+            '[solution.env]\nSOL = "sol"\n[verifier.env]\nVER = "ver"\n[verifier]\nuser = "nobody"\n')
+    task = write_task(tmp_path, "fields", solve, test=test, toml="")
+    (task / "task.toml").write_text(toml.replace("[verifier]\nuser", "[verifier]\ntimeout_sec = 30.0\nuser"))
+    code, out = run_task(daemon, task)
+    assert (code, out["reward"]) == (0, 1.0), json.dumps(out, indent=1)
+    from smolctl import taskdir  # noqa: PLC0415
+
+    assert taskdir.load(task).cpus == 1
+    monkeypatch.delenv("SMOL_TEST_TOKEN")
+    with pytest.raises(taskdir.TaskError, match="SMOL_TEST_TOKEN is not set"):
+        taskdir.load(task)
+
+
 def test_refusals(daemon: DaemonProcess, tmp_path: Path) -> None:
     net = write_task(tmp_path, "wantsnet", "true\n", toml="[environment]\nallow_internet = true\n")
     res = daemon.smolctl("run-task", str(net))
