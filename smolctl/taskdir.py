@@ -128,13 +128,19 @@ def load(path: Path) -> Task:
             task.cpus = math.ceil(_number(env, "cpus", 1, f"{where}: [environment]"))
         if "memory_mb" in env:
             task.memory_mib = int(_number(env, "memory_mb", 1024, f"{where}: [environment]"))
-        if env.get("docker_image"):
-            raise TaskError(f"{where}: [environment] docker_image {env['docker_image']!r}: smol cannot pull "
-                            "container images; give an environment/Dockerfile that builds on the default image")
+        docker_image = env.get("docker_image")
+        if docker_image is not None:
+            if not isinstance(docker_image, str) or not docker_image or docker_image != docker_image.strip():
+                raise TaskError(f"{where}: [environment] docker_image must be an image reference "
+                                f"(got {docker_image!r})")
+            # A pre-built image: smold pulls it into its OCI store (docs/images.md) and boots it, and the
+            # Dockerfile is not used (Harbor: should_use_prebuilt_docker_image). A bare name means :latest.
+            task.image = docker_image if any(c in docker_image for c in "/:@") else f"{docker_image}:latest"
+            task.workdir = ""  # the image's WorkingDir
     else:
         environment_env, workdir = {}, None
     dockerfile = path / "environment" / "Dockerfile"
-    if dockerfile.exists():
+    if dockerfile.exists() and task.image == "default":
         _parse_dockerfile(task, dockerfile)
     task.env.update(environment_env)  # [environment.env] over the Dockerfile's ENV (Harbor: the container's env)
     if workdir is not None:

@@ -210,9 +210,10 @@ def _run_task(r: _Runner, task: taskdir.Task) -> str:
     r.copy_tar(_tar([(task.path / "solution", ".")]), "/solution")
     # /logs/* writable by every user, as Harbor's mounted log directories are (the agent or the tests may not be root)
     if not r.exec("setup: /logs and the working directory",
-                  ["sh", "-c", 'mkdir -p -- /logs/verifier /logs/agent "$1" && chmod 0777 /logs/verifier /logs/agent',
-                   "sh", task.workdir], cwd="/", env={}, timeout=60, quiet=True):
-        return f"creating /logs/verifier, /logs/agent and {task.workdir} failed"
+                  ["sh", "-c", 'mkdir -p -- /logs/verifier /logs/agent ${1:+"$1"} && '
+                   "chmod 0777 /logs/verifier /logs/agent", "sh", task.workdir], cwd="/", env={}, timeout=60,
+                  quiet=True):
+        return f"creating /logs/verifier, /logs/agent and {task.workdir or 'the working directory'} failed"
     r.exec("agent: oracle solution/solve.sh", ["bash", "/solution/solve.sh"],
            cwd=task.workdir, env={**task.env, **task.solution_env}, timeout=task.agent_timeout, user=task.agent_user)
     r.copy_tar(_tar([(task.path / "tests", ".")]), "/tests")

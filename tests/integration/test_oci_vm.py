@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -104,3 +106,54 @@ run = "test ! -e /etc/removed"
             assert vmm_processes(workdir) == []
     finally:
         registry.close()
+
+
+def host_programs(*names: str) -> list:
+    """Layer entries holding these host programs and every library ldd names, at the paths the host has them
+    (``/bin/sh`` is the host's dash): enough of a userland for a Harbor task without the default image."""
+    files: dict[str, bytes] = {"bin/sh": Path("/bin/dash").read_bytes()}
+    for name in names:
+        prog = shutil.which(name)
+        assert prog, name
+        files[f"bin/{name}"] = Path(prog).read_bytes()
+        out = subprocess.run(["ldd", prog], capture_output=True, text=True, check=True).stdout
+        for lib in re.findall(r"(/\S+) \(0x", out):
+            files[lib.lstrip("/")] = Path(lib).read_bytes()
+    dirs = sorted({str(a) for p in files for a in Path(p).parents if str(a) != "."} | {"tmp", "work"})
+    return ([D(d, mode=0o1777 if d == "tmp" else 0o755) for d in dirs]
+            + [F(p, data, mode=0o755) for p, data in sorted(files.items())])
+
+
+def test_run_task_with_a_docker_image_from_the_local_registry(workdir: Path) -> None:
+    """Issue #16: a Harbor task whose [environment] docker_image is in a registry: smold pulls it, boots it, and
+    run-task runs the oracle and the tests in it (the image's Env and WorkingDir; no Dockerfile used)."""
+    built = build_image([host_programs("bash", "tar", "mkdir", "chmod", "rm", "cat")],
+                        config={"Env": ["PATH=/bin", "GREETING=from-image"], "WorkingDir": "/work"})
+    layout = write_layout(built, workdir / "harbor-layout")
+    registry = LocalRegistry(workdir / "registry2")
+    daemon = None
+    try:
+        registry.push(layout, "smol/harbor-base:v1")
+        task = workdir / "prebuilt"
+        for sub in ("solution", "tests", "environment"):
+            (task / sub).mkdir(parents=True)
+        (task / "instruction.md").write_text("Write 42 to answer.txt.\n")
+        (task / "task.toml").write_text(f'[environment]\ndocker_image = "{registry.host}/smol/harbor-base:v1"\n'
+                                        f"cpus = {VM_CPUS}\nmemory_mb = 512\n[agent]\ntimeout_sec = 300.0\n")
+        (task / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nRUN exit 1\n")  # not used
+        (task / "solution" / "solve.sh").write_text("echo 42 > answer.txt\n")
+        (task / "tests" / "test.sh").write_text(
+            'if [ "$(cat /work/answer.txt)" = 42 ] && [ "$GREETING" = from-image ] && [ ! -e /usr/bin/python3 ]; '
+            "then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n")
+        daemon = Daemon(workdir).start()
+        res = daemon.smolctl("run-task", str(task), "--json")
+        assert res.stdout.strip(), (res.stderr.decode()[-3000:], daemon.log.read_text()[-3000:])
+        out = json.loads(res.stdout)
+        assert res.returncode == 0 and out["reward"] == 1.0, json.dumps(out, indent=1)
+        assert not any("Dockerfile" in s["name"] for s in out["steps"])
+    finally:
+        if daemon is not None:
+            code = daemon.terminate()
+            assert code == 0, daemon.log.read_text()[-4000:]
+        registry.close()
+    assert vmm_processes(workdir) == []

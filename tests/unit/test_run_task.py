@@ -152,6 +152,23 @@ def test_task_toml_env_workdir_user_and_cpus(daemon: DaemonProcess, tmp_path: Pa
         taskdir.load(task)
 
 
+def test_docker_image_is_booted_and_the_dockerfile_left_alone(tmp_path: Path) -> None:
+    """[environment] docker_image: the task runs in that image (pulled by smold; a bare name means :latest), in its
+    WorkingDir, and environment/Dockerfile is not used (Harbor's prebuilt image). The real pull and boot:
+    tests/integration/test_oci_vm.py."""
+    from smolctl import taskdir  # noqa: PLC0415
+
+    for given, image in (("registry.local:5000/team/env:v2", "registry.local:5000/team/env:v2"),
+                         ("ubuntu", "ubuntu:latest"), ("alpine@sha256:" + "a" * 64, "alpine@sha256:" + "a" * 64)):
+        task = write_task(tmp_path, f"img-{len(given)}", "true\n", dockerfile="FROM x\nUSER nobody\n",
+                          toml=f'[environment]\ndocker_image = "{given}"\n')
+        t = taskdir.load(task)
+        assert (t.image, t.workdir, t.steps) == (image, "", [])
+    bad = write_task(tmp_path, "bad-img", "true\n", toml="[environment]\ndocker_image = 3\n")
+    with pytest.raises(taskdir.TaskError, match="docker_image must be an image reference"):
+        taskdir.load(bad)
+
+
 def test_refusals(daemon: DaemonProcess, tmp_path: Path) -> None:
     net = write_task(tmp_path, "wantsnet", "true\n", toml="[environment]\nallow_internet = true\n")
     res = daemon.smolctl("run-task", str(net))
