@@ -335,16 +335,20 @@ def test_a_sealed_run_keeps_a_hostile_agent_from_rigging_the_verdict(daemon: Dae
     """Red team (issue #18): sealed verification on real VMs. The agent replaces python3 and pytest, writes
     /etc/ld.so.preload, plants the reward and the tests, and leaves a process that would fix its answer later: the
     verdict is FAIL, decided in a pristine machine; the legitimate solution beside it passes."""
-    verdicts = {}
-    for name, solve in (("hostile", HOSTILE_SH), ("legit", "echo 42 > /app/answer\n")):
+    procs = {}
+    for name, solve in (("hostile", HOSTILE_SH), ("legit", "echo 42 > /app/answer\n")):  # both at once
         task = workdir / f"sealed-{name}"
         (task / "task").mkdir(parents=True)
         (task / "tests").mkdir()
         (task / "task" / "solve.sh").write_text(solve)
         (task / "tests" / "check.py").write_text(CHECK_PY)
         (task / "Smolfile.toml").write_text(SEALED_SMOLFILE)
-        r = subprocess.run(daemon.smolctl_argv("run", "--json", str(task)), capture_output=True, timeout=1500)
-        verdicts[name] = (r.returncode, json.loads(r.stdout) if r.stdout else r.stderr.decode())
+        procs[name] = subprocess.Popen(daemon.smolctl_argv("run", "--json", str(task)), stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE)
+    verdicts = {}
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=1500)
+        verdicts[name] = (p.returncode, json.loads(out) if out else err.decode())
     code, doc = verdicts["hostile"]
     assert code == 1 and doc["outcome"] == "OUTCOME_FAIL" and doc["sealed"], doc
     suite, reward = doc["result"]["checks"]
