@@ -190,23 +190,33 @@ async def pack_in_guest(client: AgentClient, machine_id: str, path: str, cap: in
             raise guest_error(e, machine_id) from None
     except AgentError as e:
         raise guest_error(e, machine_id) from None
+    return await _archive_from_guest(client, machine_id, ["tar", "-c", "-f", "-", "-C", path, "."], cap,
+                                     what=path, too_large=f"{path} in machine {machine_id}: the archive is larger "
+                                                          f"than {cap} bytes")
+
+
+async def _archive_from_guest(client: AgentClient, machine_id: str, argv: list[str], cap: int, *, what: str,
+                              too_large: str) -> bytes:
+    """The stdout of a packing command in the guest, at most ``cap`` bytes (LimitExceededError(too_large) over it);
+    GuestError if it fails."""
     data = bytearray()
     err = TailBuffer(1000)
     try:
-        async with client.exec(["tar", "-c", "-f", "-", "-C", path, "."], timeout=600) as stream:
+        async with client.exec(argv, timeout=600) as stream:
             async for event in stream:
                 if isinstance(event, ExecStdout):
                     data += event.data
                     if len(data) > cap:
-                        raise LimitExceededError(f"{path} in machine {machine_id}: the archive is larger than "
-                                                 f"{cap} bytes")
+                        raise LimitExceededError(too_large)
                 elif isinstance(event, ExecStderr):
                     err.add(event.data)
     except AgentError as e:
         raise guest_error(e, machine_id) from None
     done = stream.exit
     if done is None or done.exit_code != 0:
-        raise GuestError(f"machine {machine_id}: packing {path} failed: {err.text().strip()}", Status.INTERNAL)
+        code = "no exit status" if done is None else f"exit {done.exit_code}"
+        raise GuestError(f"machine {machine_id}: packing {what} failed ({code}): {err.text().strip()[-500:]}",
+                         Status.INTERNAL)
     return bytes(data)
 
 
@@ -251,26 +261,9 @@ _PLACE_OUTPUTS = 'a=$1; shift; rm -rf -- "$@" && tar -x -f "$a" -C /; rc=$?; rm 
 async def pack_outputs(client: AgentClient, machine_id: str, outputs: Sequence[str], cap: int) -> bytes:
     """The task guest's archive of ``outputs`` (absolute paths), at most ``cap`` bytes; DaemonError otherwise."""
     rel = [o.lstrip("/") for o in outputs]
-    data = bytearray()
-    err = TailBuffer(1000)
-    try:
-        async with client.exec(["sh", "-c", _PACK_OUTPUTS, "sh", *rel], timeout=600) as stream:
-            async for event in stream:
-                if isinstance(event, ExecStdout):
-                    data += event.data
-                    if len(data) > cap:
-                        raise LimitExceededError(f"machine {machine_id}: the outputs archive is larger than the "
-                                                 f"cap of {cap} bytes")
-                elif isinstance(event, ExecStderr):
-                    err.add(event.data)
-    except AgentError as e:
-        raise guest_error(e, machine_id) from None
-    done = stream.exit
-    if done is None or done.exit_code != 0:
-        code = "no exit status" if done is None else f"exit {done.exit_code}"
-        raise GuestError(f"machine {machine_id}: packing the outputs failed ({code}): {err.text().strip()[-500:]}",
-                         Status.INTERNAL)
-    return bytes(data)
+    return await _archive_from_guest(client, machine_id, ["sh", "-c", _PACK_OUTPUTS, "sh", *rel], cap,
+                                     what="the outputs", too_large=f"machine {machine_id}: the outputs archive is "
+                                                                   f"larger than the cap of {cap} bytes")
 
 
 async def place_outputs(client: AgentClient, machine_id: str, outputs: Sequence[str], archive: bytes) -> None:
