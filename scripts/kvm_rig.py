@@ -240,7 +240,7 @@ echo $! > /run/rig-heartbeat.pid
 [ -c /dev/kvm ] || rigfail "kvm_amd loaded but /dev/kvm is missing"
 chmod 0666 /dev/kvm
 for m in tun loop vhost_vsock nf_tables veth bridge br_netfilter; do modprobe -q $m 2>/dev/null || true; done
-echo "kvm-rig: QEMU @QEMU@ (-cpu @CPU@), $(nproc) CPUs, $(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024)) MiB, kernel $(uname -r)," \
+echo "kvm-rig: QEMU @QEMU@ (-cpu @CPU@, TCG @TCG@), $(nproc) CPUs, $(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024)) MiB, kernel $(uname -r)," \
      "$(dmesg | grep -o 'Nested Paging enabled' | head -1), booted in $(cut -d' ' -f1 /proc/uptime) s" >> $J/output
 python3 - <<'EOF' || rigfail "job.json: bad job description"
 import json, os, shlex
@@ -394,10 +394,10 @@ def _cpu_model(text: str) -> str:
 
 
 def qemu_argv(qemu: str, tree: KernelTree, initramfs: Path, jobdir: Path, cpus: int, memory_mib: int,
-              shares: list[str] | tuple[str, ...] = (), cpu_model: str = "max") -> list[str]:
+              shares: list[str] | tuple[str, ...] = (), cpu_model: str = "max", tcg_thread: str = "multi") -> list[str]:
     cmdline = ("console=ttyS0 panic=-1 loglevel=4 mitigations=off random.trust_cpu=on "
                "systemd.unified_cgroup_hierarchy=1 rdinit=/init")
-    return [qemu, "-accel", "tcg,thread=multi", "-cpu", cpu_model, "-smp", str(cpus),
+    return [qemu, "-accel", f"tcg,thread={tcg_thread}", "-cpu", cpu_model, "-smp", str(cpus),
             "-m", f"{memory_mib}M", "-M", "q35", "-nodefaults", "-nographic", "-no-reboot", "-nic", "none",
             "-kernel", str(tree.vmlinuz), "-initrd", str(initramfs), "-append", cmdline,
             "-serial", f"file:{jobdir / 'console.log'}", "-monitor", "none",
@@ -458,13 +458,14 @@ class Rig:
         kvm_load = "false" if self.args.break_kvm else " ".join(["modprobe", "kvm_amd", *self.args.kvm_amd])
         init = (RIG_INIT.replace("@MODULES@", str(tree.modules)).replace("@KVER@", tree.version)
                 .replace("@KVM_LOAD@", kvm_load).replace("@MSIZE@", str(MSIZE))
-                .replace("@QEMU@", ".".join(map(str, version))).replace("@CPU@", self.args.cpu_model))
+                .replace("@QEMU@", ".".join(map(str, version))).replace("@CPU@", self.args.cpu_model)
+                .replace("@TCG@", f"thread={self.args.tcg_thread}"))
         (self.jobdir / "init").write_text(init)
         (self.jobdir / "init").chmod(0o755)
         (self.jobdir / "job.json").write_text(json.dumps(dataclasses.asdict(self.job)))
         (self.jobdir / "output").touch()
         return qemu_argv(qemu, tree, initramfs, self.jobdir, self.args.cpus, self.args.memory, self.job.shares,
-                         self.args.cpu_model)
+                         self.args.cpu_model, self.args.tcg_thread)
 
     def pump(self) -> None:
         """Copy what the command wrote since the last call to our output."""
@@ -573,6 +574,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kernel-root", help="use boot/vmlinuz-V and lib/modules/V under this root instead of apt's")
     p.add_argument("--cpu-model", default="max", type=_cpu_model,
                    help="QEMU's -cpu for the rig (default max; e.g. EPYC-v4: it must have svm)")
+    p.add_argument("--tcg-thread", choices=("multi", "single"), default="multi",
+                   help="QEMU's TCG threading: one host thread per vCPU (default), or one for all (slower)")
     p.add_argument("--kvm-amd", action="append", default=[], type=_module_param, metavar="PARAM=VALUE",
                    help="a kvm_amd module parameter in the rig, e.g. vgif=0 (repeatable; docs/kvm-rig.md)")
     p.add_argument("--break-kvm", action="store_true", help=argparse.SUPPRESS)   # CI's check that a broken rig fails

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    os.environ["SMOL_VM_TIER_OUT"] = str(out)  # a failed test copies its daemons' logs there (tests/evidence.py)
     started = time.monotonic()
     expected = collect(args.pytest)
     if expected is None:

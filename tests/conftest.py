@@ -72,6 +72,12 @@ def ci_forbids_skips() -> bool:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.failed and report.when == "call":  # the VM tier keeps what a failed test's daemons logged
+        from evidence import save_failure_evidence  # noqa: PLC0415  (tests/evidence.py)
+
+        saved = save_failure_evidence(item.nodeid, call.start)
+        if saved:
+            report.sections.append(("evidence", "\n".join(str(p) for p in saved)))
     if report.skipped and not hasattr(report, "wasxfail") and ci_forbids_skips():
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"

@@ -101,6 +101,9 @@ def test_candidate_options_reach_qemu_and_the_module_load(tmp_path: Path) -> Non
     args = kvm_rig.parse_args(["--kvm-amd", "vgif=0", "--kvm-amd", "avic=1", "--cpu-model", "EPYC-v4", "--", "true"])
     assert (args.kvm_amd, args.cpu_model) == (["vgif=0", "avic=1"], "EPYC-v4")
     assert kvm_rig.parse_args(["--", "true"]).cpu_model == "max"
+    assert kvm_rig.parse_args(["--", "true"]).tcg_thread == "multi"
+    single = kvm_rig.qemu_argv("qemu", tree, tmp_path / "initrd", tmp_path / "job", 2, 4096, tcg_thread="single")
+    assert single[single.index("-accel") + 1] == "tcg,thread=single"
     for bad in (["--kvm-amd", "vgif=0; reboot"], ["--kvm-amd", "vgif"], ["--cpu-model", "max $(x)"]):
         with pytest.raises(SystemExit):
             kvm_rig.parse_args([*bad, "--", "true"])
