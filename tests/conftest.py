@@ -76,8 +76,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         from evidence import save_failure_evidence  # noqa: PLC0415  (tests/evidence.py)
 
         saved = save_failure_evidence(item.nodeid, call.start)
-        if saved:
-            report.sections.append(("evidence", "\n".join(str(p) for p in saved)))
+        for path in saved:  # the last lines of each in the report itself: CI's output is all a later reader gets
+            tail = path.read_bytes()[-3000:].decode("utf-8", "replace")
+            report.sections.append((f"evidence {path.name}", f"(whole tail: {path})\n{tail}"))
     if report.skipped and not hasattr(report, "wasxfail") and ci_forbids_skips():
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
