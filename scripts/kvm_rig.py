@@ -241,7 +241,9 @@ echo $! > /run/rig-heartbeat.pid
 chmod 0666 /dev/kvm
 for m in tun loop vhost_vsock nf_tables veth bridge br_netfilter; do modprobe -q $m 2>/dev/null || true; done
 echo "kvm-rig: QEMU @QEMU@ (-cpu @CPU@, TCG @TCG@), $(nproc) CPUs, $(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024)) MiB, kernel $(uname -r)," \
-     "$(dmesg | grep -o 'Nested Paging enabled' | head -1), booted in $(cut -d' ' -f1 /proc/uptime) s" >> $J/output
+     "$(dmesg | grep -o 'Nested Paging enabled' | head -1), kvm_amd$(for p in nested npt vgif vls avic; do
+        printf ' %s=%s' $p "$(cat /sys/module/kvm_amd/parameters/$p 2>/dev/null)"; done)," \
+     "booted in $(cut -d' ' -f1 /proc/uptime) s" >> $J/output
 python3 - <<'EOF' || rigfail "job.json: bad job description"
 import json, os, shlex
 job = json.load(open("/run/rig/job.json"))

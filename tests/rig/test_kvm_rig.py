@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,7 @@ def test_output_status_cwd_env_files_and_real_kvm(tmp_path: Path) -> None:
     assert any(ln.startswith("crw-rw-rw-") for ln in lines)
     assert "Nested Paging enabled" in r.stdout            # kvm_amd with NPT (the rig's banner line)
     assert "kvm-rig: QEMU 10." in r.stdout                # the QEMU scripts/setup ci installs, named in the banner
+    assert re.search(r"kvm_amd nested=\S+ npt=\S+ vgif=[01] vls=\S+ avic=\S+,", r.stdout)   # the module's parameters
     assert (work / "out" / "r.txt").read_text() == "result\n"
     assert (work / "shared" / "live.txt").read_text() == "live\n"     # --share: written through to this host
     assert_clean(tmp_path)
