@@ -201,6 +201,7 @@ class RunResult:
     result_id: str = ""          # the stored result (Client.get_result): kept even if the client had gone
     sealed: bool = False         # the checks ran in a pristine machine that got only the declared outputs
     verifier_machine_id: str = ""
+    image_digest: str = ""       # of the image the task ran on; result.image_digest: the one the checks ran on
 
     @property
     def passed(self) -> bool:
@@ -216,7 +217,7 @@ class RunResult:
         return cls(result=VerifyResult.from_proto(r.result), steps=steps, machine_id=r.machine_id, error=r.error,
                    duration_ms=r.duration_ms, outcome=OUTCOME_NAMES.get(r.outcome, ""),
                    outcome_detail=r.outcome_detail, result_id=r.result_id, sealed=r.sealed,
-                   verifier_machine_id=r.verifier_machine_id)
+                   verifier_machine_id=r.verifier_machine_id, image_digest=r.image_digest)
 
 
 RESULT_STATE_NAMES = {v: k.removeprefix("RESULT_STATE_").lower() for k, v in pb.ResultState.items() if v}

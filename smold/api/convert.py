@@ -262,6 +262,7 @@ def run_result_to_proto(r: RunResult, result_id: str = "") -> pb.RunResponse:
         outcome_detail=r.outcome_detail,
         sealed=r.sealed,
         verifier_machine_id=r.verifier_machine_id,
+        image_digest=r.image_digest,
     )
 
 
@@ -276,6 +277,7 @@ def run_result_from_proto(msg: pb.RunResponse) -> RunResult:
         error_outcome=OUTCOME_FROM_PROTO.get(msg.outcome, Outcome.INFRA_ERROR) if msg.error else Outcome.INFRA_ERROR,
         sealed=msg.sealed,
         verifier_machine_id=msg.verifier_machine_id,
+        image_digest=msg.image_digest,
     )
 
 
@@ -397,6 +399,7 @@ def smolfile_to_spec_proto(s: Smolfile) -> pb.SmolfileSpec:
         base_dir=s.base_dir or "",
         verifier_mounts=[pb.Mount(host_path=m.host, guest_path=m.guest) for m in s.verifier_mounts],
         verifier_outputs=list(s.verifier_outputs),
+        verifier_image=s.verifier_image,
     )
     if s.task is not None:
         msg.task.CopyFrom(command_to_proto(s.task))
@@ -497,6 +500,8 @@ def spec_mapping(msg: pb.SmolfileSpec, file: str = INLINE_SPEC) -> dict[str, Any
         out.setdefault("verifier", {})["mounts"] = _mounts_mapping(msg.verifier_mounts, file, ["verifier", "mounts"])
     if len(msg.verifier_outputs):
         out.setdefault("verifier", {})["outputs"] = list(msg.verifier_outputs)
+    if msg.verifier_image:
+        out.setdefault("verifier", {})["image"] = msg.verifier_image
     return out
 
 

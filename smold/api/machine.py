@@ -120,6 +120,7 @@ class RunResult:
     error_outcome: Outcome = Outcome.INFRA_ERROR
     sealed: bool = False           # the checks ran in a second, pristine machine (docs/verifier.md)
     verifier_machine_id: str = ""  # that machine (destroyed)
+    image_digest: str = ""         # of the image the task ran on (result.image_digest: the verifier machine's)
 
     @property
     def outcome(self) -> Outcome:

@@ -1363,7 +1363,7 @@ class Controller:
                     await self._destroy_quietly(failed)
                 empty = VerifyResult(False, (), failed.image_digest if failed else "", sdigest, 0)
                 return RunResult(empty, tuple(steps), failed.id if failed else "", error=str(e),
-                                 duration_ms=_ms_since(start))
+                                 duration_ms=_ms_since(start), image_digest=empty.image_digest)
             sf = smolfile
             if sf.task is not None:
                 cmd = sf.task
@@ -1383,9 +1383,10 @@ class Controller:
             except GuestUnavailableError as e:
                 result = VerifyResult(False, (), m.image_digest, sdigest, 0)
                 return RunResult(result, tuple(steps), m.id, error=f"verify: {e}", duration_ms=_ms_since(start),
-                                 network=await self._read_network(m), error_outcome=Outcome.VERIFIER_ERROR)
+                                 network=await self._read_network(m), error_outcome=Outcome.VERIFIER_ERROR,
+                                 image_digest=m.image_digest)
             return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start),
-                             network=await self._read_network(m))
+                             network=await self._read_network(m), image_digest=m.image_digest)
         finally:
             if m is not None and m.id in self._machines:
                 await self._destroy_quietly(m)
@@ -1410,7 +1411,8 @@ class Controller:
             steps.append(StepResult("outputs", False, Evidence(duration_ms=_ms_since(t0), detail=why)))
             result = _undecided(m, "outputs", "outputs", Evidence(detail=f"the task's outputs could not be taken: "
                                                                   f"{why}"), t0)
-            return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start), network=network, sealed=True)
+            return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start), network=network, sealed=True,
+                             image_digest=m.image_digest)
         missing = [o for o in sf.verifier_outputs if o not in packed.present]
         detail = packed.describe() + (f"; not present: {', '.join(missing)}" if missing else "")
         steps.append(StepResult("outputs", True, Evidence(duration_ms=_ms_since(t0), detail=detail)))
@@ -1418,7 +1420,7 @@ class Controller:
         v: Machine | None = None
         try:
             try:
-                v = await self._create(sf, "", filename, vsteps, run_result=run_result)
+                v = await self._create(sf.verifier_smolfile(), "", filename, vsteps, run_result=run_result)
             except (DaemonError, StepFailedError) as e:  # a limit reached meanwhile too: the task did run
                 failed = (self._machines.get(e.machine_id) if isinstance(e, CreateFailedError)
                           else e.machine if isinstance(e, StepFailedError) else None)
@@ -1427,7 +1429,7 @@ class Controller:
                 steps.extend(replace_fields(s, name=f"verifier.{s.name}") for s in vsteps)
                 result = VerifyResult(False, (), m.image_digest, m.smolfile_digest, 0)
                 return RunResult(result, tuple(steps), m.id, error=f"the verifier machine: {e}",
-                                 duration_ms=_ms_since(start), network=network, sealed=True,
+                                 duration_ms=_ms_since(start), network=network, sealed=True, image_digest=m.image_digest,
                                  verifier_machine_id=failed.id if failed is not None else "")
             steps.extend(replace_fields(s, name=f"verifier.{s.name}") for s in vsteps)
             try:
@@ -1438,7 +1440,7 @@ class Controller:
                 result = _undecided(m, "outputs", "outputs", Evidence(detail=f"placing the task's outputs in the "
                                                                       f"verifier machine failed: {e}"), t0)
             return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start), network=network, sealed=True,
-                             verifier_machine_id=v.id)
+                             verifier_machine_id=v.id, image_digest=m.image_digest)
         finally:
             if v is not None:
                 await self._destroy_quietly(v)

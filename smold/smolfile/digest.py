@@ -89,6 +89,8 @@ def to_mapping(smolfile: Smolfile) -> dict[str, Any]:
         out["verifier"]["mounts"] = {m.host: m.guest for m in smolfile.verifier_mounts}
     if smolfile.verifier_outputs:  # likewise
         out["verifier"]["outputs"] = list(smolfile.verifier_outputs)
+    if smolfile.verifier_image:  # likewise
+        out["verifier"]["image"] = smolfile.verifier_image
     if smolfile.task is not None:
         out["task"] = _command(smolfile.task)
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import posixpath
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -210,10 +210,21 @@ class Smolfile:
     # task's machine, which is then destroyed, and the checks run in a pristine machine of the same Smolfile
     # that receives them (docs/verifier.md, "Sealed verification")
     verifier_outputs: tuple[str, ...] = ()
+    # [verifier] image: the sealed verification's machine boots this image (Harbor's separate verifier
+    # environment) with the Smolfile's resources, env and network, but none of the task's mounts or setup; "": the
+    # task's own image, with its mounts and setup (docs/verifier.md, "A separate verifier image")
+    verifier_image: str = ""
 
     @property
     def sealed(self) -> bool:
         return bool(self.verifier_outputs)
+
+    def verifier_smolfile(self) -> Smolfile:
+        """The Smolfile the sealed verification's machine is created from: this one, or with a verifier image,
+        that image with neither the task's mounts nor its setup (they belong to the task's environment)."""
+        if not self.verifier_image:
+            return self
+        return replace(self, image=self.verifier_image, mounts=(), setup=(), task=None)
 
     @property
     def all_mounts(self) -> tuple[tuple[tuple[str, ...], Mount], ...]:

@@ -356,7 +356,7 @@ class _Parser:
 
     # --- verifier ----------------------------------------------------------------------------------
     def verifier(self, value: object, path: KeyPath) -> tuple[Check, ...]:
-        t = self.table(value, path, ("checks", "mounts", "outputs"))
+        t = self.table(value, path, ("checks", "mounts", "outputs", "image"))
         raw = t.get("checks", [])
         cpath = [*path, "checks"]
         if not isinstance(raw, list | tuple):
@@ -540,7 +540,20 @@ def parse_mapping(
         base_dir=base,
         verifier_mounts=_verifier_mounts(p, t.get("verifier"), t.get("mounts")),
         verifier_outputs=_verifier_outputs(p, t.get("verifier")),
+        verifier_image=_verifier_image(p, t.get("verifier")),
     )
+
+
+def _verifier_image(p: _Parser, verifier: object) -> str:
+    """[verifier] image: an image name as for the top-level image; only beside outputs (a sealed Run), since the
+    verifier's machine of another image can receive nothing of the task's but its declared outputs."""
+    if not isinstance(verifier, dict) or "image" not in verifier:
+        return ""
+    image = p.image(verifier["image"], ["verifier", "image"])
+    if "outputs" not in verifier:
+        p.fail(["verifier", "image"], "a verifier image needs [verifier] outputs: the checks run in a machine of "
+               "that image, which receives only the task's declared outputs (docs/verifier.md)")
+    return image
 
 
 def _verifier_outputs(p: _Parser, verifier: object) -> tuple[str, ...]:

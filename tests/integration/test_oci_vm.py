@@ -126,7 +126,8 @@ def host_programs(*names: str) -> list:
 
 def test_run_task_with_a_docker_image_from_the_local_registry(workdir: Path) -> None:
     """Issue #16: a Harbor task whose [environment] docker_image is in a registry: smold pulls it, boots it, and
-    run-task runs the oracle and the tests in it (the image's Env and WorkingDir; no Dockerfile used)."""
+    run-task runs the oracle and the tests in it (the image's Env and WorkingDir; no Dockerfile used). Then (issue
+    #18) a sealed Run whose checks run in a machine of that image ([verifier] image)."""
     built = build_image([host_programs("bash", "tar", "mkdir", "chmod", "rm", "cat")],
                         config={"Env": ["PATH=/bin", "GREETING=from-image"], "WorkingDir": "/work"})
     layout = write_layout(built, workdir / "harbor-layout")
@@ -151,6 +152,32 @@ def test_run_task_with_a_docker_image_from_the_local_registry(workdir: Path) -> 
         out = json.loads(res.stdout)
         assert res.returncode == 0 and out["reward"] == 1.0, json.dumps(out, indent=1)
         assert not any("Dockerfile" in s["name"] for s in out["steps"])
+        # Issue #18, [verifier] image: a sealed Run whose task runs on smol's default image and whose checks run in
+        # a machine of this image (no python3, the image's Env), given only the declared outputs.
+        sealed = workdir / "sealed-verifier-image"
+        sealed.mkdir()
+        (sealed / "Smolfile.toml").write_text(f"""
+cpus = {VM_CPUS}
+memory = "512M"
+setup = ["mkdir -p /app"]
+task = "echo 42 > /app/answer; test -x /usr/bin/python3 && echo task-had-python"
+[timeouts]
+boot = 900
+[verifier]
+image = "{registry.host}/smol/harbor-base:v1"
+outputs = ["/app"]
+[[verifier.checks]]
+name = "judged-elsewhere"
+kind = "command"
+run = 'test "$(cat /app/answer)" = 42 && test ! -e /usr/bin/python3 && test "$GREETING" = from-image && echo judged'
+""")
+        res = daemon.smolctl("run", "--json", str(sealed))
+        doc = json.loads(res.stdout) if res.stdout.strip() else res.stderr.decode()[-3000:]
+        assert res.returncode == 0 and doc["outcome"] == "OUTCOME_PASS" and doc["sealed"], doc
+        steps = {s["name"]: s for s in doc["steps"]}
+        assert "task-had-python" in steps["task"]["evidence"]["output_tail"] and "verifier.setup[0]" not in steps
+        assert "judged" in doc["result"]["checks"][0]["evidence"]["output_tail"]
+        assert doc["image_digest"] != doc["result"]["image_digest"], doc
     finally:
         if daemon is not None:
             code = daemon.terminate()

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon_support import fake_images, processes_mentioning, start_daemon_task
+from daemon_support import fake_image_files, processes_mentioning, start_daemon_task
 
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 from smold.daemon import DaemonConfig
+from smold.daemon.images import ImageStore
 
 pytestmark = pytest.mark.timeout(120)
 COPY_CAP = 64 * 1024
@@ -43,7 +44,12 @@ async def env(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Path, pb_gr
     d = Path(tempfile.mkdtemp(prefix="sms-", dir="/tmp"))
     config = DaemonConfig(socket_path=d / "smold.sock", state_dir=d / "state", max_machines=4, max_memory_mib=2048,
                           destroy_grace_s=5.0, copy_cap_bytes=COPY_CAP)
-    daemon, task = await start_daemon_task(config, fake_images(d))
+    files = fake_image_files(d)
+    (d / "checker").mkdir()
+    checker = (*files[:2], fake_image_files(d / "checker")[2])  # another rootfs: another image digest
+    (d / "checker" / "rootfs.ext4").write_bytes(b"the verifier's own image")
+    images = ImageStore({"default": lambda: files, "checker": lambda: checker})
+    daemon, task = await start_daemon_task(config, images)
     try:
         async with grpc.aio.insecure_channel(f"unix:{d / 'smold.sock'}") as channel:
             yield d, pb_grpc.SmolStub(channel)
@@ -93,4 +99,23 @@ async def test_outputs_over_the_cap_leave_the_verdict_undecided(env) -> None:
     assert check.error and check.name == "outputs" and f"larger than the cap of {COPY_CAP} bytes" in \
         check.evidence.detail
     assert [s.name for s in resp.steps][-1] == "outputs" and not resp.steps[-1].ok
+    assert (await stub.ListMachines(pb.ListMachinesRequest())).machines == []
+
+
+async def test_a_verifier_image_judges_in_a_machine_of_that_image_without_the_tasks_setup(env) -> None:
+    """[verifier] image (Harbor's separate verifier environment): the checks' machine boots that image, is not set
+    up as the task's was, and receives only the outputs; the reply names both images."""
+    d, stub = env
+    text = SMOLFILE.format(d=d, task=f"echo 42 > {d}/app/answer").replace("[verifier]\n",
+                                                                           '[verifier]\nimage = "checker"\n')
+    resp = await stub.Run(pb.RunRequest(smolfile=pb.Smolfile(toml=pb.SmolfileToml(text=text, base_dir=str(d)))))
+    assert resp.outcome == pb.OUTCOME_PASS and resp.sealed, resp
+    names = [s.name for s in resp.steps]
+    assert names[:4] == ["boot", "setup[0]", "task", "outputs"] and "verifier.boot" in names, names
+    assert "verifier.setup[0]" not in names  # the task's setup belongs to the task's image
+    assert resp.image_digest and resp.result.image_digest and resp.image_digest != resp.result.image_digest
+    plain = await stub.Run(pb.RunRequest(smolfile=smolfile(d, f"echo 42 > {d}/app/answer")))
+    assert plain.image_digest == resp.image_digest == plain.result.image_digest  # one image: the same digest
+    stored = (await stub.GetResult(pb.GetResultRequest(id=resp.result_id))).result
+    assert stored.run.image_digest == resp.image_digest and stored.run.result.image_digest == resp.result.image_digest
     assert (await stub.ListMachines(pb.ListMachinesRequest())).machines == []

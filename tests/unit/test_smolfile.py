@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -691,3 +692,35 @@ def test_verifier_outputs_parse_round_trip_and_leave_other_digests_alone():
 def test_verifier_output_errors(toml, key, fragment):
     e = error(toml)
     assert e.key == key and fragment in e.reason, (e.key, e.reason)
+
+
+def test_verifier_image_parses_round_trips_and_makes_the_verifier_smolfile():
+    s = parse('setup = ["true"]\ntask = "run"\n[mounts]\n"t" = "/task"\n'
+              '[verifier]\nimage = "ghcr.io/acme/checker:1"\noutputs = ["/app"]\n[verifier.mounts]\n"v" = "/tests"\n'
+              '[[verifier.checks]]\nname = "a"\nkind = "file_exists"\npath = "/app/a"\n')
+    assert s.verifier_image == "ghcr.io/acme/checker:1" and s.image == "default"
+    v = s.verifier_smolfile()
+    assert v.image == "ghcr.io/acme/checker:1" and v.mounts == () and v.setup == () and v.task is None
+    assert v.checks == s.checks and v.verifier_mounts == s.verifier_mounts and v.verifier_outputs == s.verifier_outputs
+    without = replace(s, verifier_image="")
+    assert without.verifier_smolfile() is without and digest(s) != digest(without)
+    assert "image" not in to_mapping(without)["verifier"]  # digests of Smolfiles without one are unchanged
+    assert parse_mapping(to_mapping(s), base_dir=BASE) == s
+    assert boot_state_digest(s) == boot_state_digest(without)  # the task's machine boots the same either way
+    from smold.api import convert  # noqa: PLC0415
+
+    assert convert.smolfile_from_spec_proto(convert.smolfile_to_spec_proto(s)) == s
+
+
+@pytest.mark.parametrize(
+    "toml, fragment",
+    [
+        ('[verifier]\nimage = "checker"', "a verifier image needs [verifier] outputs"),
+        ('[verifier]\nimage = ""\noutputs = ["/app"]', "must not be empty"),
+        ('[verifier]\nimage = 3\noutputs = ["/app"]', "must be a string"),
+        ('[verifier]\nimage = "bad name!"\noutputs = ["/app"]', "is not a valid image name"),
+    ],
+)
+def test_verifier_image_errors(toml, fragment):
+    e = error(toml)
+    assert e.key == "[verifier].image" and fragment in e.reason, (e.key, e.reason)

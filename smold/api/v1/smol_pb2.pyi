@@ -165,7 +165,7 @@ class SmolfileToml(_message.Message):
     def __init__(self, text: _Optional[str] = ..., base_dir: _Optional[str] = ..., filename: _Optional[str] = ...) -> None: ...
 
 class SmolfileSpec(_message.Message):
-    __slots__ = ("image", "cpus", "memory_mib", "network", "mounts", "env", "setup", "task", "timeouts", "checks", "base_dir", "verifier_mounts", "verifier_outputs")
+    __slots__ = ("image", "cpus", "memory_mib", "network", "mounts", "env", "setup", "task", "timeouts", "checks", "base_dir", "verifier_mounts", "verifier_outputs", "verifier_image")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,7 @@ class SmolfileSpec(_message.Message):
     BASE_DIR_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_MOUNTS_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_IMAGE_FIELD_NUMBER: _ClassVar[int]
     image: str
     cpus: int
     memory_mib: int
@@ -199,7 +200,8 @@ class SmolfileSpec(_message.Message):
     base_dir: str
     verifier_mounts: _containers.RepeatedCompositeFieldContainer[Mount]
     verifier_outputs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, image: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., env: _Optional[_Mapping[str, str]] = ..., setup: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., task: _Optional[_Union[Command, _Mapping]] = ..., timeouts: _Optional[_Union[Timeouts, _Mapping]] = ..., checks: _Optional[_Iterable[_Union[Check, _Mapping]]] = ..., base_dir: _Optional[str] = ..., verifier_mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., verifier_outputs: _Optional[_Iterable[str]] = ...) -> None: ...
+    verifier_image: str
+    def __init__(self, image: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., env: _Optional[_Mapping[str, str]] = ..., setup: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., task: _Optional[_Union[Command, _Mapping]] = ..., timeouts: _Optional[_Union[Timeouts, _Mapping]] = ..., checks: _Optional[_Iterable[_Union[Check, _Mapping]]] = ..., base_dir: _Optional[str] = ..., verifier_mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., verifier_outputs: _Optional[_Iterable[str]] = ..., verifier_image: _Optional[str] = ...) -> None: ...
 
 class NetworkPolicy(_message.Message):
     __slots__ = ("allow", "forward")
@@ -542,7 +544,7 @@ class StepResult(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ok: _Optional[bool] = ..., evidence: _Optional[_Union[Evidence, _Mapping]] = ...) -> None: ...
 
 class RunResponse(_message.Message):
-    __slots__ = ("result", "steps", "machine_id", "error", "duration_ms", "network", "outcome", "outcome_detail", "sealed", "verifier_machine_id", "result_id", "state")
+    __slots__ = ("result", "steps", "machine_id", "error", "duration_ms", "network", "outcome", "outcome_detail", "sealed", "verifier_machine_id", "result_id", "state", "image_digest")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -555,6 +557,7 @@ class RunResponse(_message.Message):
     VERIFIER_MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
     RESULT_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     result: VerifyResult
     steps: _containers.RepeatedCompositeFieldContainer[StepResult]
     machine_id: str
@@ -567,7 +570,8 @@ class RunResponse(_message.Message):
     verifier_machine_id: str
     result_id: str
     state: ResultState
-    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ..., error: _Optional[str] = ..., duration_ms: _Optional[int] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., outcome_detail: _Optional[str] = ..., sealed: _Optional[bool] = ..., verifier_machine_id: _Optional[str] = ..., result_id: _Optional[str] = ..., state: _Optional[_Union[ResultState, str]] = ...) -> None: ...
+    image_digest: str
+    def __init__(self, result: _Optional[_Union[VerifyResult, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., machine_id: _Optional[str] = ..., error: _Optional[str] = ..., duration_ms: _Optional[int] = ..., network: _Optional[_Union[NetworkReport, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., outcome_detail: _Optional[str] = ..., sealed: _Optional[bool] = ..., verifier_machine_id: _Optional[str] = ..., result_id: _Optional[str] = ..., state: _Optional[_Union[ResultState, str]] = ..., image_digest: _Optional[str] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("machine_id", "count")
