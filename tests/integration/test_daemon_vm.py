@@ -331,12 +331,62 @@ echo hostile done
 """
 
 
-def test_a_sealed_run_keeps_a_hostile_agent_from_rigging_the_verdict(daemon: Daemon, workdir: Path) -> None:
-    """Red team (issue #18): sealed verification on real VMs. The agent replaces python3 and pytest, writes
-    /etc/ld.so.preload, plants the reward and the tests, and leaves a process that would fix its answer later: the
-    verdict is FAIL, decided in a pristine machine; the legitimate solution beside it passes."""
+# A hostile agent that cannot be judged by its own tar: `tar` replaced by a forger whose archive reaches for the
+# verifier's files (an absolute name, "..", a name outside the outputs, a path through a symbolic link).
+FORGER_SH = """echo 41 > /app/answer
+python3 - <<'PY'
+import io, tarfile
+def add(t, name, data):
+    i = tarfile.TarInfo(name); i.size = len(data); t.addfile(i, io.BytesIO(data))
+with tarfile.open("/tmp/evil.tar", "w", format=tarfile.GNU_FORMAT) as t:
+    add(t, "app/answer", b"41\\n")
+    add(t, "../logs/verifier/reward.txt", b"1")
+    add(t, "/etc/ld.so.preload", b"/app/rig.so\\n")
+    add(t, "tests/check.py", b"exit 0\\n")
+    link = tarfile.TarInfo("app/l"); link.type = tarfile.SYMTYPE; link.linkname = "/logs/verifier"; t.addfile(link)
+    add(t, "app/l/reward.txt", b"1")
+PY
+printf '#!/bin/sh\\ncat /tmp/evil.tar\\n' > /tmp/tar && chmod +x /tmp/tar
+for t in /usr/local/bin/tar /usr/bin/tar; do cp /tmp/tar "$t"; done
+echo forger done
+"""
+# A hostile agent that hooks the guest agent: it takes PID 1's vsock connections with pidfd_getfd(2) and writes
+# forged EXIT frames (exit 0) and malformed ones (bad JSON, a 4 GiB length, bad magic) to the daemon.
+HOOK_SH = """echo 41 > /app/answer
+python3 - <<'PY'
+import ctypes, json, os, struct, time
+libc = ctypes.CDLL(None, use_errno=True)
+def frame(kind, rid, payload=b"", magic=b"SMOL", length=None):
+    return magic + struct.pack(">BBHII", 1, kind, 0, rid, len(payload) if length is None else length) + payload
+exit0 = json.dumps({"exit_code": 0, "signal": None, "timed_out": False, "duration": 0.1}).encode()
+frames = [b"".join(frame(0x15, rid, exit0) for rid in range(1, 33)), frame(0x15, 1, b"{not json"),
+          frame(0x13, 1, length=0xFFFFFFFF), b"JUNK" * 4]
+pidfd, taken = os.pidfd_open(1), []
+for name in sorted(os.listdir("/proc/1/fd"), key=int):
+    try:
+        link = os.readlink(f"/proc/1/fd/{name}")
+    except OSError:
+        continue
+    fd = libc.syscall(438, pidfd, int(name), 0) if link.startswith("socket:") else -1
+    if fd >= 0:
+        print("hooking", link, flush=True)
+        taken.append(fd)
+time.sleep(1)  # the agent sends what was printed before the forgeries follow it
+for fd in taken:
+    try:
+        for f in frames:
+            os.write(fd, f)
+    except OSError as e:
+        print("not connected:", e, flush=True)
+PY
+echo hook done
+"""
+
+
+def sealed_runs(daemon: Daemon, workdir: Path, solutions: dict[str, str]) -> dict[str, tuple[int, dict]]:
+    """Sealed Runs of SEALED_SMOLFILE with these solve.sh scripts, all at once: {name: (exit code, reply)}."""
     procs = {}
-    for name, solve in (("hostile", HOSTILE_SH), ("legit", "echo 42 > /app/answer\n")):  # both at once
+    for name, solve in solutions.items():
         task = workdir / f"sealed-{name}"
         (task / "task").mkdir(parents=True)
         (task / "tests").mkdir()
@@ -348,7 +398,17 @@ def test_a_sealed_run_keeps_a_hostile_agent_from_rigging_the_verdict(daemon: Dae
     verdicts = {}
     for name, p in procs.items():
         out, err = p.communicate(timeout=1500)
-        verdicts[name] = (p.returncode, json.loads(out) if out else err.decode())
+        verdicts[name] = (p.returncode, json.loads(out) if out else {"stderr": err.decode()})
+    return verdicts
+
+
+def test_a_sealed_run_keeps_a_hostile_agent_from_rigging_the_verdict(daemon: Daemon, workdir: Path) -> None:
+    """Red team (issue #18): sealed verification on real VMs. The agent replaces python3 and pytest, writes
+    /etc/ld.so.preload, plants the reward and the tests, and leaves a process that would fix its answer later: the
+    verdict is FAIL, decided in a pristine machine; the legitimate solution beside it passes. Then an agent whose
+    `tar` forges the outputs archive, and one that writes forged and malformed frames into the guest agent's
+    connections: FAIL (or VERIFIER_ERROR), never PASS, and the daemon carries on."""
+    verdicts = sealed_runs(daemon, workdir, {"hostile": HOSTILE_SH, "legit": "echo 42 > /app/answer\n"})
     code, doc = verdicts["hostile"]
     assert code == 1 and doc["outcome"] == "OUTCOME_FAIL" and doc["sealed"], doc
     suite, reward = doc["result"]["checks"]
@@ -361,4 +421,20 @@ def test_a_sealed_run_keeps_a_hostile_agent_from_rigging_the_verdict(daemon: Dae
     assert code == 0 and doc["outcome"] == "OUTCOME_PASS" and doc["sealed"], doc
     assert doc["verifier_machine_id"] != doc["machine_id"]
     assert "genuine check: right" in doc["result"]["checks"][0]["evidence"]["output_tail"]
+
+    verdicts = sealed_runs(daemon, workdir, {"forger": FORGER_SH, "hook": HOOK_SH})
+    code, doc = verdicts["forger"]
+    assert code == 1 and doc["outcome"] == "OUTCOME_FAIL" and doc["sealed"], doc
+    steps = {s["name"]: s for s in doc["steps"]}
+    assert "forger done" in steps["task"]["evidence"]["output_tail"], steps["task"]
+    outputs = steps["outputs"]["evidence"]["detail"]
+    assert "names outside the outputs" in outputs and "entries below a symbolic link" in outputs, outputs
+    assert "genuine check: wrong" in doc["result"]["checks"][0]["evidence"]["output_tail"], doc
+    code, doc = verdicts["hook"]
+    assert doc.get("outcome") in ("OUTCOME_FAIL", "OUTCOME_VERIFIER_ERROR") and doc["sealed"], doc
+    steps = {s["name"]: s for s in doc["steps"]}
+    assert "hooking socket:" in steps["task"]["evidence"]["output_tail"], doc  # it did reach a connection
+    if doc["outcome"] == "OUTCOME_FAIL":
+        assert "genuine check: wrong" in doc["result"]["checks"][0]["evidence"]["output_tail"], doc
+    assert daemon.smolctl("ls", "-q").returncode == 0  # the daemon is unharmed
     assert daemon.smolctl("ls", "-q").stdout == b"" and vmm_processes(daemon.state) == []
