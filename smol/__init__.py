@@ -5,6 +5,7 @@ from .client import Client, Machine
 from .errors import (
     AlreadyExistsError,
     CancelledError,
+    DataLossError,
     DeadlineExceededError,
     ExecStreamError,
     FailedPreconditionError,
@@ -18,6 +19,7 @@ from .errors import (
     UnimplementedError,
 )
 from .types import (
+    Artifact,
     CheckResult,
     ExecEvent,
     ExecResult,
@@ -32,8 +34,8 @@ from .types import (
 )
 
 __all__ = [
-    "AlreadyExistsError", "AsyncClient", "AsyncMachine", "CancelledError", "CheckResult", "Client",
-    "DeadlineExceededError", "ExecEvent", "ExecResult", "ExecStreamError", "Exit", "FailedPreconditionError",
+    "AlreadyExistsError", "Artifact", "AsyncClient", "AsyncMachine", "CancelledError", "CheckResult", "Client",
+    "DataLossError", "DeadlineExceededError", "ExecEvent", "ExecResult", "ExecStreamError", "Exit", "FailedPreconditionError",
     "InternalError", "InvalidArgumentError", "Machine", "MachineInfo", "NotFoundError", "PermissionDeniedError",
     "ResourceExhaustedError", "RunResult", "SmolError", "Stderr", "Stdout", "StepResult", "StoredResult",
     "UnavailableError", "UnimplementedError", "VerifyResult",

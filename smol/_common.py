@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
 from collections.abc import Mapping, Sequence
@@ -10,6 +11,7 @@ from typing import Any, Generic, TypeVar
 
 from smold.api.v1 import smol_pb2 as pb
 
+from .errors import DataLossError
 from .types import MachineInfo
 
 DEFAULT_SOCKET = "/run/smold/smold.sock"
@@ -102,3 +104,10 @@ class MachineHandle(Generic[ClientT]):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, name={self.name!r})"
+
+
+def checked_artifact(resp: pb.GetArtifactResponse, result_id: str, name: str) -> bytes:
+    """The artifact's content, if it matches the SHA-256 the daemon sent with it."""
+    if hashlib.sha256(resp.content).hexdigest() != resp.sha256:
+        raise DataLossError(f"result {result_id}: artifact {name} arrived damaged (SHA-256 mismatch)")
+    return resp.content

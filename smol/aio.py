@@ -195,6 +195,11 @@ class AsyncClient:
         req = pb.GetResultRequest(id=result_id, wait_seconds=wait)
         return StoredResult.from_proto((await self._call(self._stub.GetResult(req, timeout=self.timeout))).result)
 
+    async def get_artifact(self, result_id: str, name: str) -> bytes:
+        req = pb.GetArtifactRequest(result_id=result_id, name=name)
+        resp = await self._call(self._stub.GetArtifact(req, timeout=self.timeout))
+        return c.checked_artifact(resp, result_id, name)
+
     async def list_results(self, *, labels: Mapping[str, str] | None = None, kind: str = "",
                            limit: int = 0) -> builtins.list[StoredResult]:
         req = pb.ListResultsRequest(labels=dict(labels or {}), kind=kind, limit=limit)

@@ -174,6 +174,11 @@ class Client:
         req = pb.GetResultRequest(id=result_id, wait_seconds=wait)
         return StoredResult.from_proto(self._call(self._stub.GetResult, req).result)
 
+    def get_artifact(self, result_id: str, name: str) -> bytes:
+        """An artifact kept with a stored Run (RunResult.artifacts names them), checked against its SHA-256."""
+        resp = self._call(self._stub.GetArtifact, pb.GetArtifactRequest(result_id=result_id, name=name))
+        return c.checked_artifact(resp, result_id, name)
+
     def list_results(self, *, labels: Mapping[str, str] | None = None, kind: str = "",
                      limit: int = 0) -> builtins.list[StoredResult]:
         """Stored results, newest first, without their evidence (get_result has it); only those carrying every

@@ -93,6 +93,12 @@ class InternalError(SmolError):
     code = grpc.StatusCode.INTERNAL
 
 
+class DataLossError(SmolError):
+    """Stored data no longer matches what was kept (an artifact changed on disk)."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
 class ExecStreamError(SmolError):
     """An exec stream ended without its exit event."""
 
@@ -103,7 +109,7 @@ _BY_CODE: dict[grpc.StatusCode, type[SmolError]] = {
     cls.code: cls
     for cls in (InvalidArgumentError, NotFoundError, AlreadyExistsError, FailedPreconditionError,
                 ResourceExhaustedError, PermissionDeniedError, DeadlineExceededError, UnavailableError,
-                UnimplementedError, CancelledError, InternalError)
+                UnimplementedError, CancelledError, InternalError, DataLossError)
 }
 
 

@@ -188,6 +188,17 @@ class StepResult:
 
 
 @dataclass(frozen=True)
+class Artifact:
+    """A file kept beside a stored Run (Client.get_artifact): "outputs.tar", "verifier-logs.tar"."""
+
+    name: str
+    size_bytes: int
+    sha256: str
+    kept: bool       # False: not kept, and note says why
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class RunResult:
     """A one-shot Run: the verifier's result, the steps' evidence, and why it stopped early (``error``)."""
 
@@ -202,6 +213,7 @@ class RunResult:
     sealed: bool = False         # the checks ran in a pristine machine that got only the declared outputs
     verifier_machine_id: str = ""
     image_digest: str = ""       # of the image the task ran on; result.image_digest: the one the checks ran on
+    artifacts: list[Artifact] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -217,7 +229,8 @@ class RunResult:
         return cls(result=VerifyResult.from_proto(r.result), steps=steps, machine_id=r.machine_id, error=r.error,
                    duration_ms=r.duration_ms, outcome=OUTCOME_NAMES.get(r.outcome, ""),
                    outcome_detail=r.outcome_detail, result_id=r.result_id, sealed=r.sealed,
-                   verifier_machine_id=r.verifier_machine_id, image_digest=r.image_digest)
+                   verifier_machine_id=r.verifier_machine_id, image_digest=r.image_digest,
+                   artifacts=[Artifact(a.name, a.size_bytes, a.sha256, a.kept, a.note) for a in r.artifacts])
 
 
 RESULT_STATE_NAMES = {v: k.removeprefix("RESULT_STATE_").lower() for k, v in pb.ResultState.items() if v}

@@ -204,6 +204,11 @@ def run_result(resp: pb.RunResponse, *, verbose: bool = False) -> str:
     lines += verify_result(resp.result, verbose=verbose)
     if resp.HasField("network"):
         lines += network_report(resp.network)
+    if resp.artifacts:
+        lines.append("artifacts:" + (f" (smolctl results {resp.result_id} --artifact NAME)" if resp.result_id else ""))
+        for a in resp.artifacts:
+            lines.append(f"  {a.name}  {a.size_bytes} bytes" + ("" if a.kept else "  (not kept)")
+                         + (f"  {a.note}" if a.note else ""))
     return "\n".join(lines)
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+from pathlib import Path
 
 from google.protobuf.json_format import MessageToDict
 
@@ -28,9 +31,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print StoredResult messages as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="list ids only")
     p.add_argument("-v", "--verbose", action="store_true", help="show output tails of passing steps and checks")
+    p.add_argument("--artifact", metavar="NAME",
+                   help="with ID: save this kept artifact of the Run (e.g. outputs.tar, verifier-logs.tar)")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="with --artifact: where to save it ('-': standard output; default: NAME here, never "
+                        "overwritten)")
 
 
 def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
+    if args.artifact or args.output:
+        return _artifact(args, stub)
     if args.id:
         result = stub.GetResult(pb.GetResultRequest(id=args.id, wait_seconds=args.wait)).result
         print(to_json(result) if args.json else stored_result(result, verbose=args.verbose))
@@ -44,4 +54,25 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
             print(r.id)
     else:
         print(results_table(results))
+    return 0
+
+
+def _artifact(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
+    if not args.id or not args.artifact:
+        print("smolctl results: --artifact NAME needs a result ID, and -o goes with --artifact", file=sys.stderr)
+        return 2
+    resp = stub.GetArtifact(pb.GetArtifactRequest(result_id=args.id, name=args.artifact))
+    if args.output == "-":
+        sys.stdout.buffer.write(resp.content)
+        sys.stdout.flush()
+        return 0
+    dest = Path(args.output or args.artifact)
+    try:
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        print(f"smolctl results: {dest} exists; choose another with -o FILE", file=sys.stderr)
+        return 2
+    with os.fdopen(fd, "wb") as f:
+        f.write(resp.content)
+    print(f"{dest}: {len(resp.content)} bytes, sha256 {resp.sha256}", file=sys.stderr)
     return 0

@@ -31,6 +31,7 @@ from smold.smolfile.errors import KeyPath
 from smold.verifier import CheckResult, Evidence, Outcome, VerifyResult
 
 from .machine import (
+    Artifact,
     BakeInfo,
     CheckpointInfo,
     DeniedDestination,
@@ -263,6 +264,8 @@ def run_result_to_proto(r: RunResult, result_id: str = "") -> pb.RunResponse:
         sealed=r.sealed,
         verifier_machine_id=r.verifier_machine_id,
         image_digest=r.image_digest,
+        artifacts=[pb.Artifact(name=a.name, size_bytes=a.size_bytes, sha256=a.sha256, kept=a.kept, note=a.note)
+                   for a in r.artifacts],
     )
 
 
@@ -278,6 +281,8 @@ def run_result_from_proto(msg: pb.RunResponse) -> RunResult:
         sealed=msg.sealed,
         verifier_machine_id=msg.verifier_machine_id,
         image_digest=msg.image_digest,
+        artifacts=tuple(Artifact(name=a.name, size_bytes=a.size_bytes, sha256=a.sha256, kept=a.kept, note=a.note)
+                        for a in msg.artifacts),
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from smold.smolfile import PortForward
@@ -106,6 +106,19 @@ class StepResult:
 
 
 @dataclass(frozen=True)
+class Artifact:
+    """A file kept beside a stored result (evidence, never part of the verdict); ``content`` is carried only from
+    the controller to the store, which keeps it and fills ``sha256`` and ``kept``."""
+
+    name: str
+    size_bytes: int
+    sha256: str = ""
+    kept: bool = False
+    note: str = ""
+    content: bytes = field(default=b"", repr=False, compare=False)
+
+
+@dataclass(frozen=True)
 class RunResult:
     """What Run returns: the verifier's result and every step's evidence; error when it stopped before verify."""
 
@@ -121,6 +134,7 @@ class RunResult:
     sealed: bool = False           # the checks ran in a second, pristine machine (docs/verifier.md)
     verifier_machine_id: str = ""  # that machine (destroyed)
     image_digest: str = ""         # of the image the task ran on (result.image_digest: the verifier machine's)
+    artifacts: tuple[Artifact, ...] = ()  # evidence kept beside the stored result (docs/verifier.md, "Artifacts")
 
     @property
     def outcome(self) -> Outcome:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .config import (
+    DEFAULT_ARTIFACT_CAP,
     DEFAULT_COPY_CAP,
     DEFAULT_SOCKET,
     DEFAULT_STATE_DIR,
@@ -39,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-cpus", type=int, default=64, help="vCPUs of one machine (64)")
     ap.add_argument("--max-copy-bytes", type=int, default=DEFAULT_COPY_CAP,
                     help=f"largest CopyIn/CopyOut content and mount archive ({DEFAULT_COPY_CAP})")
+    ap.add_argument("--max-artifact-bytes", type=int, default=DEFAULT_ARTIFACT_CAP,
+                    help="largest artifact kept beside a stored result, e.g. a sealed Run's outputs "
+                         f"({DEFAULT_ARTIFACT_CAP}; 0: none; --max-copy-bytes bounds it too)")
     ap.add_argument("--destroy-grace", type=float, default=10.0, metavar="S",
                     help="seconds between SIGTERM and SIGKILL of a VM process being destroyed (10)")
     ap.add_argument("--agent-connect-timeout", type=float, default=60.0, metavar="S",
@@ -85,7 +89,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     return DaemonConfig(
         socket_path=args.socket.absolute(), socket_mode=args.socket_mode, socket_group=args.group,
         state_dir=args.state_dir.absolute(), max_machines=args.max_machines, max_memory_mib=args.max_memory,
-        max_cpus=args.max_cpus, copy_cap_bytes=args.max_copy_bytes, destroy_grace_s=args.destroy_grace,
+        max_cpus=args.max_cpus, copy_cap_bytes=args.max_copy_bytes,
+        artifact_cap_bytes=args.max_artifact_bytes, destroy_grace_s=args.destroy_grace,
         agent_connect_timeout_s=args.agent_connect_timeout,
         keep_failed=args.keep_failed, on_shutdown=args.on_shutdown, launcher=args.launcher,
         images=tuple(parse_image_option(i) for i in args.image), tcp=args.tcp,

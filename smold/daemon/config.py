@@ -9,6 +9,7 @@ from pathlib import Path
 DEFAULT_SOCKET = Path("/run/smold/smold.sock")
 DEFAULT_STATE_DIR = Path("/var/lib/smold")
 DEFAULT_COPY_CAP = 64 * 1024 * 1024
+DEFAULT_ARTIFACT_CAP = 16 * 1024 * 1024
 DEFAULT_CONSOLE_TAIL = 4096
 MAX_CONSOLE_TAIL = 1024 * 1024
 
@@ -42,6 +43,9 @@ class DaemonConfig:
     max_memory_mib: int = field(default_factory=default_max_memory_mib)  # sum over live machines
     max_cpus: int = 64  # per machine
     copy_cap_bytes: int = DEFAULT_COPY_CAP  # CopyIn/CopyOut content and mount archives
+    artifact_cap_bytes: int = DEFAULT_ARTIFACT_CAP  # each artifact kept beside a stored result (docs/verifier.md);
+                                                    # never more than copy_cap_bytes (GetArtifact's reply)
+    verifier_logs_path: str = "/logs/verifier"  # the guest directory kept as a Run's verifier-logs.tar (tests move it)
     destroy_grace_s: float = 10.0  # SIGTERM -> SIGKILL
     boot_grace_s: float = 30.0  # waited past the Smolfile's boot timeout before killing the VMM
     agent_connect_timeout_s: float = 60.0  # connect + HELLO to a guest agent (a busy guest answers late)
@@ -98,6 +102,8 @@ class DaemonConfig:
             raise ValueError("--max-cpus must be in 1..64")
         if self.copy_cap_bytes < 1:
             raise ValueError("--max-copy-bytes must be positive")
+        if self.artifact_cap_bytes < 0:
+            raise ValueError("--max-artifact-bytes must not be negative (0: keep no artifacts)")
         if self.destroy_grace_s < 0 or self.boot_grace_s < 0:
             raise ValueError("grace periods must not be negative")
         if self.keep_failed < 0:

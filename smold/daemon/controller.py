@@ -39,6 +39,7 @@ from typing import Any
 
 from smold.agent import AgentClient, AgentConnectError, AgentError, ExecEvent
 from smold.api.machine import (
+    Artifact,
     BakeInfo,
     CheckpointInfo,
     MachineInfo,
@@ -108,6 +109,9 @@ from .process import (
 from .record import MachineRecord, RecordError
 
 log = logging.getLogger("smold.controller")
+OUTPUTS_ARTIFACT = "outputs.tar"  # a sealed Run's re-packed outputs, kept with its result
+VERIFIER_LOGS_ARTIFACT = "verifier-logs.tar"  # DaemonConfig.verifier_logs_path after the checks
+VERIFIER_LOGS_TIMEOUT_S = 60.0
 
 ID_RE = re.compile(r"m-[0-9a-f]{12}")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
@@ -1385,8 +1389,10 @@ class Controller:
                 return RunResult(result, tuple(steps), m.id, error=f"verify: {e}", duration_ms=_ms_since(start),
                                  network=await self._read_network(m), error_outcome=Outcome.VERIFIER_ERROR,
                                  image_digest=m.image_digest)
+            logs = await self._verifier_logs(m)
             return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start),
-                             network=await self._read_network(m), image_digest=m.image_digest)
+                             network=await self._read_network(m), image_digest=m.image_digest,
+                             artifacts=(logs,) if logs is not None else ())
         finally:
             if m is not None and m.id in self._machines:
                 await self._destroy_quietly(m)
@@ -1415,6 +1421,7 @@ class Controller:
                              image_digest=m.image_digest)
         missing = [o for o in sf.verifier_outputs if o not in packed.present]
         detail = packed.describe() + (f"; not present: {', '.join(missing)}" if missing else "")
+        artifacts: tuple[Artifact, ...] = (Artifact(OUTPUTS_ARTIFACT, len(packed.archive), content=packed.archive),)
         steps.append(StepResult("outputs", True, Evidence(duration_ms=_ms_since(t0), detail=detail)))
         vsteps: list[StepResult] = []
         v: Machine | None = None
@@ -1430,6 +1437,7 @@ class Controller:
                 result = VerifyResult(False, (), m.image_digest, m.smolfile_digest, 0)
                 return RunResult(result, tuple(steps), m.id, error=f"the verifier machine: {e}",
                                  duration_ms=_ms_since(start), network=network, sealed=True, image_digest=m.image_digest,
+                                 artifacts=artifacts,
                                  verifier_machine_id=failed.id if failed is not None else "")
             steps.extend(replace_fields(s, name=f"verifier.{s.name}") for s in vsteps)
             try:
@@ -1439,11 +1447,33 @@ class Controller:
             except DaemonError as e:
                 result = _undecided(m, "outputs", "outputs", Evidence(detail=f"placing the task's outputs in the "
                                                                       f"verifier machine failed: {e}"), t0)
+            else:
+                logs = await self._verifier_logs(v)
+                artifacts += (logs,) if logs is not None else ()
             return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start), network=network, sealed=True,
-                             verifier_machine_id=v.id, image_digest=m.image_digest)
+                             verifier_machine_id=v.id, image_digest=m.image_digest, artifacts=artifacts)
         finally:
             if v is not None:
                 await self._destroy_quietly(v)
+
+    async def _verifier_logs(self, m: Machine) -> Artifact | None:
+        """The verifier's log directory of the machine the checks ran in, re-packed as hostile data (in an unsealed
+        Run the agent had that guest): evidence kept with the result, never part of the verdict. None when the
+        directory does not exist or artifacts are off; an Artifact with a note when it could not be taken."""
+        cap = min(self.config.artifact_cap_bytes, self.config.copy_cap_bytes)
+        path = self.config.verifier_logs_path
+        if cap == 0:
+            return None
+        try:
+            async with self._agent(m) as client:
+                raw = await guestops.pack_outputs(client, m.id, (path,), cap, what=path, timeout=VERIFIER_LOGS_TIMEOUT_S)
+            packed = await asyncio.to_thread(repack, raw, (path,), cap=cap)
+        except (OutputsError, DaemonError) as e:
+            log.warning("%s: the verifier logs were not kept: %s", m.id, e)
+            return Artifact(VERIFIER_LOGS_ARTIFACT, 0, note=f"not kept: {e}")
+        if path not in packed.present:
+            return None
+        return Artifact(VERIFIER_LOGS_ARTIFACT, len(packed.archive), note=packed.describe(), content=packed.archive)
 
     async def _destroy_quietly(self, m: Machine) -> None:
         """Destroy, even if the caller is being cancelled; a failure is logged (the machine stays FAILED)."""

@@ -19,6 +19,7 @@ class Status(enum.Enum):
     UNAVAILABLE = "unavailable"
     UNIMPLEMENTED = "unimplemented"
     INTERNAL = "internal"
+    DATA_LOSS = "data_loss"
 
 
 class DaemonError(Exception):

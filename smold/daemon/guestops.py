@@ -196,13 +196,13 @@ async def pack_in_guest(client: AgentClient, machine_id: str, path: str, cap: in
 
 
 async def _archive_from_guest(client: AgentClient, machine_id: str, argv: list[str], cap: int, *, what: str,
-                              too_large: str) -> bytes:
+                              too_large: str, timeout: float = 600) -> bytes:
     """The stdout of a packing command in the guest, at most ``cap`` bytes (LimitExceededError(too_large) over it);
     GuestError if it fails."""
     data = bytearray()
     err = TailBuffer(1000)
     try:
-        async with client.exec(argv, timeout=600) as stream:
+        async with client.exec(argv, timeout=timeout) as stream:
             async for event in stream:
                 if isinstance(event, ExecStdout):
                     data += event.data
@@ -258,12 +258,13 @@ _PACK_OUTPUTS = ('cd / || exit 1; for p do shift; if [ -e "$p" ] || [ -h "$p" ];
 _PLACE_OUTPUTS = 'a=$1; shift; rm -rf -- "$@" && tar -x -f "$a" -C /; rc=$?; rm -f -- "$a"; exit $rc'
 
 
-async def pack_outputs(client: AgentClient, machine_id: str, outputs: Sequence[str], cap: int) -> bytes:
-    """The task guest's archive of ``outputs`` (absolute paths), at most ``cap`` bytes; DaemonError otherwise."""
+async def pack_outputs(client: AgentClient, machine_id: str, outputs: Sequence[str], cap: int, *,
+                       what: str = "the outputs", timeout: float = 600) -> bytes:
+    """The guest's archive of ``outputs`` (absolute paths), at most ``cap`` bytes; DaemonError otherwise."""
     rel = [o.lstrip("/") for o in outputs]
     return await _archive_from_guest(client, machine_id, ["sh", "-c", _PACK_OUTPUTS, "sh", *rel], cap,
-                                     what="the outputs", too_large=f"machine {machine_id}: the outputs archive is "
-                                                                   f"larger than the cap of {cap} bytes")
+                                     what=what, too_large=f"machine {machine_id}: the archive of {what} is larger "
+                                                          f"than the cap of {cap} bytes", timeout=timeout)
 
 
 async def place_outputs(client: AgentClient, machine_id: str, outputs: Sequence[str], archive: bytes) -> None:

@@ -8,6 +8,9 @@ event loop, which owns the only connection.
 A Run's row is written ``running`` before its machine exists and ``done`` (with its outcome and the whole
 RunResponse as evidence) before its reply. Rows still ``running`` when a daemon opens the store are from a
 daemon that stopped during the Run: they become ``interrupted`` (docs/verifier.md, "Results").
+
+A Run's artifacts (its sealed outputs, its verifier logs) are files under ``STATE_DIR/results/artifacts/<id>/``,
+written and fsynced before the row that lists them (with their SHA-256) is committed.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import asyncio
 import builtins
 import concurrent.futures
 import contextlib
+import hashlib
 import json
 import logging
+import os
 import re
 import secrets
 import sqlite3
@@ -26,7 +31,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from smold.api.machine import ResultState, StoredResult
+from smold.api.machine import Artifact, ResultState, StoredResult
 from smold.verifier import Outcome
 
 from .errors import DaemonError, DaemonSetupError, InvalidRequestError, Status
@@ -35,6 +40,8 @@ log = logging.getLogger("smold.results")
 T = TypeVar("T")
 
 DB_FILE = "results.db"
+ARTIFACTS_DIR = "artifacts"
+ARTIFACT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9.\-]{0,63}")
 SCHEMA_VERSION = 1
 RESULT_ID_RE = re.compile(r"r-[0-9a-f]{16}")
 KINDS = ("run", "verify")
@@ -256,6 +263,77 @@ class ResultStore:
         db = self._conn()
         with _txn(db):
             db.execute("DELETE FROM results WHERE id=?", (rid,))
+
+    # --- artifacts ----------------------------------------------------------------------------------------------
+    async def keep_artifacts(self, rid: str, artifacts: tuple[Artifact, ...], cap: int) -> tuple[Artifact, ...]:
+        """Write each artifact of at most ``cap`` bytes to disk (fsynced); the artifacts as the result lists them,
+        without their content: kept with their SHA-256, or not kept with a note saying why. Never raises: an
+        artifact is evidence, and failing to keep one must not lose the result."""
+        out = []
+        for a in artifacts:
+            if not ARTIFACT_NAME_RE.fullmatch(a.name):
+                raise ValueError(f"artifact name {a.name!r}")
+            if a.size_bytes > cap or len(a.content) > cap:
+                out.append(Artifact(a.name, a.size_bytes, note=a.note or f"not kept: larger than the artifact cap "
+                                                                         f"of {cap} bytes (--max-artifact-bytes)"))
+                continue
+            if not a.content and a.note:  # nothing to keep: the controller said why
+                out.append(Artifact(a.name, a.size_bytes, note=a.note))
+                continue
+            try:
+                digest = await asyncio.to_thread(self._write_artifact, rid, a.name, a.content)
+            except OSError as e:
+                log.error("result %s: keeping artifact %s failed: %s", rid, a.name, e)
+                out.append(Artifact(a.name, len(a.content), note=f"not kept: writing it failed: {e}"))
+                continue
+            out.append(Artifact(a.name, len(a.content), sha256=digest, kept=True, note=a.note))
+        return tuple(out)
+
+    def artifact_path(self, rid: str, name: str) -> Path:
+        check_result_id(rid)
+        if not ARTIFACT_NAME_RE.fullmatch(name):
+            raise InvalidRequestError(f"name: {name[:80]!r} is not an artifact name (as the result lists them, "
+                                      "e.g. outputs.tar)")
+        return self.root / ARTIFACTS_DIR / rid / name
+
+    def _write_artifact(self, rid: str, name: str, content: bytes) -> str:
+        path = self.artifact_path(rid, name)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            view = memoryview(content)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return hashlib.sha256(content).hexdigest()
+
+    async def read_artifact(self, rid: str, name: str, sha256: str, cap: int) -> bytes:
+        """A kept artifact's content, checked against the SHA-256 its result lists."""
+        path = self.artifact_path(rid, name)
+
+        def read() -> bytes:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:
+                return f.read(cap + 1)
+        try:
+            data = await asyncio.to_thread(read)
+        except FileNotFoundError:
+            raise ResultNotFoundError(f"result {rid}: its artifact {name} is gone from {path.parent}") from None
+        except OSError as e:
+            raise ResultStoreError(f"result {rid}: reading its artifact {name}: {e}") from None
+        if len(data) > cap or hashlib.sha256(data).hexdigest() != sha256:
+            raise ResultStoreError(f"result {rid}: its artifact {name} in {path.parent} does not match the SHA-256 "
+                                   "its result lists (changed on disk since it was kept)", Status.DATA_LOSS)
+        return data
 
     # --- reads --------------------------------------------------------------------------------------------------
     async def get(self, rid: str) -> StoredResult:

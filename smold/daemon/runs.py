@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
 
 from smold.api import convert
 from smold.api.machine import ResultState, RunResult, StoredResult
+from smold.api.v1 import smol_pb2 as pb
 from smold.smolfile import Check, Smolfile
 from smold.verifier import Outcome, VerifyResult
 
@@ -29,6 +31,7 @@ from .controller import Controller
 from .errors import DaemonError, InvalidRequestError, ShuttingDownError, Status
 from .results import (
     INTERRUPTED_DETAIL,
+    ResultNotFoundError,
     ResultStore,
     ResultStoreError,
     check_result_id,
@@ -98,6 +101,9 @@ class Runs:
         except Exception as e:
             await self._end(rid, ResultState.DONE, Outcome.INFRA_ERROR, f"internal error: {e!r}")
             raise
+        if result.artifacts:  # on disk before the row that lists them
+            cap = min(self.controller.config.artifact_cap_bytes, self.controller.config.copy_cap_bytes)
+            result = dataclasses.replace(result, artifacts=await self.store.keep_artifacts(rid, result.artifacts, cap))
         payload = convert.run_result_to_proto(result, result_id=rid).SerializeToString()
         await self.store.finish(rid, state=ResultState.DONE, outcome=result.outcome,
                                 outcome_detail=result.outcome_detail, payload=payload, machine_id=result.machine_id)
@@ -132,6 +138,22 @@ class Runs:
             if task is not None:
                 await asyncio.wait({task}, timeout=wait_seconds)
         return await self.store.get(rid)
+
+    async def artifact(self, rid: str, name: str) -> tuple[bytes, str]:
+        """A kept artifact of a stored Run: its content and SHA-256 (NOT_FOUND unless its result lists it kept)."""
+        self.store.artifact_path(rid, name)  # a malformed id or name is INVALID_ARGUMENT
+        stored = await self.store.get(rid)
+        if stored.kind != "run" or not stored.payload:
+            raise ResultNotFoundError(f"result {rid}: a {stored.state.value} {stored.kind} result without a Run's "
+                                      "reply has no artifacts")
+        listed = {a.name: a for a in pb.RunResponse.FromString(stored.payload).artifacts}
+        a = listed.get(name)
+        if a is None or not a.kept:
+            have = ", ".join(n for n, x in sorted(listed.items()) if x.kept) or "none"
+            why = f" ({a.note})" if a is not None and a.note else ""
+            raise ResultNotFoundError(f"result {rid}: no artifact {name!r} was kept{why}; kept: {have}")
+        cap = self.controller.config.copy_cap_bytes
+        return await self.store.read_artifact(rid, name, a.sha256, cap), a.sha256
 
     async def list(self, labels: Mapping[str, str] | None = None, kind: str = "", limit: int = 0) -> list[StoredResult]:
         return await self.store.list(labels=labels, kind=kind, limit=limit)

@@ -146,6 +146,12 @@ class SmolServicer(pb_grpc.SmolServicer):
             return pb.GetResultResponse(result=convert.stored_result_to_proto(await self.runs.get(request.id, wait)))
         return await self._call(context, go)
 
+    async def GetArtifact(self, request: pb.GetArtifactRequest, context: Any) -> pb.GetArtifactResponse:
+        async def go() -> pb.GetArtifactResponse:
+            content, sha256 = await self.runs.artifact(request.result_id, request.name)
+            return pb.GetArtifactResponse(content=content, sha256=sha256)
+        return await self._call(context, go)
+
     async def ListResults(self, request: pb.ListResultsRequest, context: Any) -> pb.ListResultsResponse:
         async def go() -> pb.ListResultsResponse:
             rows = await self.runs.list(dict(request.labels), request.kind, request.limit)

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
@@ -421,6 +422,13 @@ def test_a_sealed_run_keeps_a_hostile_agent_from_rigging_the_verdict(daemon: Dae
     assert code == 0 and doc["outcome"] == "OUTCOME_PASS" and doc["sealed"], doc
     assert doc["verifier_machine_id"] != doc["machine_id"]
     assert "genuine check: right" in doc["result"]["checks"][0]["evidence"]["output_tail"]
+    arts = {a["name"]: a for a in doc.get("artifacts", [])}  # kept with the result: the outputs, the verifier's logs
+    assert arts["outputs.tar"].get("kept") and arts["verifier-logs.tar"].get("kept"), arts
+    logs = workdir / "legit-verifier-logs.tar"
+    r = daemon.smolctl("results", doc["result_id"], "--artifact", "verifier-logs.tar", "-o", str(logs))
+    assert r.returncode == 0, r.stderr
+    with tarfile.open(logs) as t:
+        assert t.extractfile("logs/verifier/reward.txt").read().strip() == b"1"  # type: ignore[union-attr]
 
     verdicts = sealed_runs(daemon, workdir, {"forger": FORGER_SH, "hook": HOOK_SH})
     code, doc = verdicts["forger"]

@@ -5,9 +5,12 @@ task's machine, which is destroyed, and the checks run in a second machine that 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import io
 import os
 import shutil
 import signal
+import tarfile
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,6 +26,7 @@ from smold.daemon.images import ImageStore
 
 pytestmark = pytest.mark.timeout(120)
 COPY_CAP = 64 * 1024
+ARTIFACT_CAP = 16 * 1024
 
 SMOLFILE = """
 cpus = 1
@@ -43,7 +47,8 @@ regex = "^42$"
 async def env(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Path, pb_grpc.SmolStub]]:
     d = Path(tempfile.mkdtemp(prefix="sms-", dir="/tmp"))
     config = DaemonConfig(socket_path=d / "smold.sock", state_dir=d / "state", max_machines=4, max_memory_mib=2048,
-                          destroy_grace_s=5.0, copy_cap_bytes=COPY_CAP)
+                          destroy_grace_s=5.0, copy_cap_bytes=COPY_CAP, artifact_cap_bytes=ARTIFACT_CAP,
+                          verifier_logs_path=str(d / "logs" / "verifier"))
     files = fake_image_files(d)
     (d / "checker").mkdir()
     checker = (*files[:2], fake_image_files(d / "checker")[2])  # another rootfs: another image digest
@@ -119,3 +124,80 @@ async def test_a_verifier_image_judges_in_a_machine_of_that_image_without_the_ta
     stored = (await stub.GetResult(pb.GetResultRequest(id=resp.result_id))).result
     assert stored.run.image_digest == resp.image_digest and stored.run.result.image_digest == resp.result.image_digest
     assert (await stub.ListMachines(pb.ListMachinesRequest())).machines == []
+
+
+ARTIFACTS_SMOLFILE = """
+cpus = 1
+memory = 256
+setup = ["mkdir -p {d}/app"]
+task = {task!r}
+[verifier]
+outputs = ["{d}/app"]
+[[verifier.checks]]
+name = "suite"
+kind = "command"
+run = "mkdir -p {d}/logs/verifier && echo judged > {d}/logs/verifier/out.txt && test $(cat {d}/app/answer) = 42"
+"""
+
+
+def members(archive: bytes) -> dict[str, bytes]:
+    with tarfile.open(fileobj=io.BytesIO(archive)) as t:
+        return {m.name: (t.extractfile(m).read() if m.isfile() else b"") for m in t}  # type: ignore[union-attr]
+
+
+async def test_a_runs_outputs_and_verifier_logs_are_kept_with_its_result(env) -> None:
+    """Artifacts (docs/verifier.md, "Artifacts"): the sealed outputs and the verifier's logs are kept beside the
+    stored result, listed with their SHA-256, served by GetArtifact and checked on the way out; one over the
+    artifact cap is listed, not kept; a file changed on disk is DATA_LOSS, not served."""
+    d, stub = env
+    text = ARTIFACTS_SMOLFILE.format(d=d, task=f"echo 42 > {d}/app/answer")
+    resp = await stub.Run(pb.RunRequest(smolfile=pb.Smolfile(toml=pb.SmolfileToml(text=text, base_dir=str(d)))))
+    assert resp.outcome == pb.OUTCOME_PASS, resp
+    arts = {a.name: a for a in resp.artifacts}
+    assert sorted(arts) == ["outputs.tar", "verifier-logs.tar"] and all(a.kept for a in arts.values()), arts
+    stored = (await stub.GetResult(pb.GetResultRequest(id=resp.result_id))).result
+    assert list(stored.run.artifacts) == list(resp.artifacts)
+    got = await stub.GetArtifact(pb.GetArtifactRequest(result_id=resp.result_id, name="outputs.tar"))
+    assert got.sha256 == arts["outputs.tar"].sha256 == hashlib.sha256(got.content).hexdigest()
+    assert members(got.content)[f"{str(d).lstrip('/')}/app/answer"] == b"42\n"
+    logs = await stub.GetArtifact(pb.GetArtifactRequest(result_id=resp.result_id, name="verifier-logs.tar"))
+    assert members(logs.content)[f"{str(d).lstrip('/')}/logs/verifier/out.txt"] == b"judged\n"
+    assert len(logs.content) == arts["verifier-logs.tar"].size_bytes
+
+    for name, code in (("nothing.tar", grpc.StatusCode.NOT_FOUND), ("../results.db", grpc.StatusCode.INVALID_ARGUMENT)):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.GetArtifact(pb.GetArtifactRequest(result_id=resp.result_id, name=name))
+        assert e.value.code() == code, e.value
+    kept = d / "state" / "results" / "artifacts" / resp.result_id / "outputs.tar"
+    kept.write_bytes(kept.read_bytes()[:-1] + b"x")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.GetArtifact(pb.GetArtifactRequest(result_id=resp.result_id, name="outputs.tar"))
+    assert e.value.code() == grpc.StatusCode.DATA_LOSS and "does not match" in (e.value.details() or "")
+
+    # smolctl results ID --artifact NAME -o FILE (a thread: the daemon serves on this event loop)
+    from smolctl.__main__ import main as smolctl  # noqa: PLC0415
+
+    argv = ["--socket", str(d / "smold.sock"), "results", resp.result_id, "--artifact", "verifier-logs.tar", "-o",
+            str(d / "logs.tar")]
+    assert await asyncio.to_thread(smolctl, argv) == 0 and (d / "logs.tar").read_bytes() == logs.content
+    assert await asyncio.to_thread(smolctl, argv) == 2  # never overwritten
+    from smol import AsyncClient, NotFoundError  # noqa: PLC0415
+
+    async with AsyncClient(d / "smold.sock") as client:
+        assert await client.get_artifact(resp.result_id, "verifier-logs.tar") == logs.content
+        stored_run = (await client.get_result(resp.result_id)).run
+        assert stored_run is not None and [a.name for a in stored_run.artifacts if a.kept] == ["outputs.tar",
+                                                                                               "verifier-logs.tar"]
+        with pytest.raises(NotFoundError):
+            await client.get_artifact(resp.result_id, "nothing.tar")
+
+    big = f"head -c {ARTIFACT_CAP * 2} /dev/urandom > {d}/app/big; echo 42 > {d}/app/answer"
+    text = ARTIFACTS_SMOLFILE.format(d=d, task=big)
+    resp = await stub.Run(pb.RunRequest(smolfile=pb.Smolfile(toml=pb.SmolfileToml(text=text, base_dir=str(d)))))
+    assert resp.outcome == pb.OUTCOME_PASS, resp
+    arts = {a.name: a for a in resp.artifacts}
+    assert not arts["outputs.tar"].kept and arts["outputs.tar"].size_bytes > ARTIFACT_CAP
+    assert "larger than the artifact cap" in arts["outputs.tar"].note and arts["verifier-logs.tar"].kept
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.GetArtifact(pb.GetArtifactRequest(result_id=resp.result_id, name="outputs.tar"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "larger than the artifact cap" in (e.value.details() or "")

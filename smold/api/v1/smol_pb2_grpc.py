@@ -145,6 +145,11 @@ class SmolStub:
                 request_serializer=smol_dot_v1_dot_smol__pb2.ListResultsRequest.SerializeToString,
                 response_deserializer=smol_dot_v1_dot_smol__pb2.ListResultsResponse.FromString,
                 _registered_method=True)
+        self.GetArtifact = channel.unary_unary(
+                '/smol.v1.Smol/GetArtifact',
+                request_serializer=smol_dot_v1_dot_smol__pb2.GetArtifactRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.GetArtifactResponse.FromString,
+                _registered_method=True)
 
 
 class SmolServicer:
@@ -301,6 +306,12 @@ class SmolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetArtifact(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SmolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -413,6 +424,11 @@ def add_SmolServicer_to_server(servicer, server):
                     servicer.ListResults,
                     request_deserializer=smol_dot_v1_dot_smol__pb2.ListResultsRequest.FromString,
                     response_serializer=smol_dot_v1_dot_smol__pb2.ListResultsResponse.SerializeToString,
+            ),
+            'GetArtifact': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetArtifact,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.GetArtifactRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.GetArtifactResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1010,6 +1026,33 @@ class Smol:
             '/smol.v1.Smol/ListResults',
             smol_dot_v1_dot_smol__pb2.ListResultsRequest.SerializeToString,
             smol_dot_v1_dot_smol__pb2.ListResultsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetArtifact(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/GetArtifact',
+            smol_dot_v1_dot_smol__pb2.GetArtifactRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.GetArtifactResponse.FromString,
             options,
             channel_credentials,
             insecure,
