@@ -200,6 +200,11 @@ class AsyncClient:
         resp = await self._call(self._stub.GetArtifact(req, timeout=self.timeout))
         return c.checked_artifact(resp, result_id, name)
 
+    async def prune_results(self, *, older_than: float, labels: Mapping[str, str] | None = None) -> tuple[int, int]:
+        req = pb.PruneResultsRequest(older_than_seconds=older_than, labels=dict(labels or {}))
+        resp = await self._call(self._stub.PruneResults(req, timeout=self.timeout))
+        return resp.removed, resp.freed_bytes
+
     async def list_results(self, *, labels: Mapping[str, str] | None = None, kind: str = "",
                            limit: int = 0) -> builtins.list[StoredResult]:
         req = pb.ListResultsRequest(labels=dict(labels or {}), kind=kind, limit=limit)

@@ -179,6 +179,13 @@ class Client:
         resp = self._call(self._stub.GetArtifact, pb.GetArtifactRequest(result_id=result_id, name=name))
         return c.checked_artifact(resp, result_id, name)
 
+    def prune_results(self, *, older_than: float, labels: Mapping[str, str] | None = None) -> tuple[int, int]:
+        """Remove finished results that ended more than ``older_than`` seconds ago (0: all) and carry every label
+        given, with their artifacts; (removed, freed bytes). A Run still running is never removed."""
+        req = pb.PruneResultsRequest(older_than_seconds=older_than, labels=dict(labels or {}))
+        resp = self._call(self._stub.PruneResults, req)
+        return resp.removed, resp.freed_bytes
+
     def list_results(self, *, labels: Mapping[str, str] | None = None, kind: str = "",
                      limit: int = 0) -> builtins.list[StoredResult]:
         """Stored results, newest first, without their evidence (get_result has it); only those carrying every

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -31,6 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print StoredResult messages as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="list ids only")
     p.add_argument("-v", "--verbose", action="store_true", help="show output tails of passing steps and checks")
+    p.add_argument("--prune", action="store_true",
+                   help="remove finished results (with --label: only those) and their artifacts; --older-than "
+                        "is required")
+    p.add_argument("--older-than", metavar="AGE", type=_age,
+                   help="with --prune: those that ended more than AGE ago: 30m, 12h, 7d, or 0 for all")
     p.add_argument("--artifact", metavar="NAME",
                    help="with ID: save this kept artifact of the Run (e.g. outputs.tar, verifier-logs.tar)")
     p.add_argument("-o", "--output", metavar="FILE",
@@ -38,7 +44,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "overwritten)")
 
 
+def _age(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an age (e.g. 90s, 30m, 12h, 7d, 0)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
 def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
+    if args.prune or args.older_than is not None:
+        if not args.prune or args.older_than is None or args.id:
+            print("smolctl results: --prune needs --older-than AGE (0: every finished result) and no ID",
+                  file=sys.stderr)
+            return 2
+        resp = stub.PruneResults(pb.PruneResultsRequest(older_than_seconds=args.older_than,
+                                                        labels=parse_labels(args.label)))
+        print(f"removed {resp.removed} results, freed {resp.freed_bytes} bytes of artifacts")
+        return 0
     if args.artifact or args.output:
         return _artifact(args, stub)
     if args.id:

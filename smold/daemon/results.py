@@ -22,12 +22,14 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
+import shutil
 import sqlite3
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -175,10 +177,23 @@ class ResultStore:
             db.close()
             raise
         self._db = db
+        self._sweep_artifacts(db)
         if cur.rowcount:
             log.warning("%d result(s) were still running when the last daemon stopped: now interrupted",
                         cur.rowcount)
         return int(cur.rowcount)
+
+    def _sweep_artifacts(self, db: sqlite3.Connection) -> None:
+        """Remove artifact directories whose row is gone (a prune that stopped between its commit and its
+        removals): a directory is only ever created for a row that exists."""
+        root = self.root / ARTIFACTS_DIR
+        if not root.is_dir():
+            return
+        for d in root.iterdir():
+            if RESULT_ID_RE.fullmatch(d.name) and db.execute("SELECT 1 FROM results WHERE id=?",
+                                                             (d.name,)).fetchone() is None:
+                shutil.rmtree(d, ignore_errors=True)
+                log.info("removed the artifacts of result %s, which is no longer in the store", d.name)
 
     async def close(self) -> None:
         if self._db is not None:
@@ -335,6 +350,37 @@ class ResultStore:
                                    "its result lists (changed on disk since it was kept)", Status.DATA_LOSS)
         return data
 
+    # --- pruning ------------------------------------------------------------------------------------------------
+    async def prune(self, *, older_than: float, labels: Mapping[str, str] | None = None,
+                    keep: Collection[str] = ()) -> tuple[int, int]:
+        """Remove finished results (done or interrupted) that ended more than ``older_than`` seconds ago and carry
+        every label given, with their artifacts; never a running one nor one in ``keep``. (removed, freed
+        artifact bytes)."""
+        if not math.isfinite(older_than) or older_than < 0:
+            raise InvalidRequestError(f"older_than_seconds: {older_than} must be a finite number of seconds >= 0")
+        wanted = validate_labels(dict(labels or {}))
+        ids = await self._guarded(self._prune_rows, time.time() - older_than, wanted, frozenset(keep))
+        freed = 0
+        for rid in ids:  # after the commit: a crash in between leaves directories the next open() removes
+            freed += await asyncio.to_thread(_remove_tree, self.root / ARTIFACTS_DIR / rid)
+        if ids:
+            log.info("pruned %d result(s), freeing %d bytes of artifacts", len(ids), freed)
+        return len(ids), freed
+
+    def _prune_rows(self, before: float, labels: dict[str, str], keep: frozenset[str]) -> builtins.list[str]:
+        db = self._conn()
+        where = ["state != ?", "finished_at IS NOT NULL", "finished_at < ?"]
+        args: builtins.list[Any] = [ResultState.RUNNING.value, before]
+        for k, v in labels.items():
+            where.append("seq IN (SELECT seq FROM labels WHERE key=? AND value=?)")
+            args += [k, v]
+        with _txn(db):
+            rows = db.execute(f"SELECT seq, id FROM results WHERE {' AND '.join(where)}", args).fetchall()
+            rows = [(seq, rid) for seq, rid in rows if rid not in keep]
+            db.executemany("DELETE FROM labels WHERE seq=?", [(seq,) for seq, _ in rows])
+            db.executemany("DELETE FROM results WHERE seq=?", [(seq,) for seq, _ in rows])
+        return [rid for _, rid in rows]
+
     # --- reads --------------------------------------------------------------------------------------------------
     async def get(self, rid: str) -> StoredResult:
         check_result_id(rid)
@@ -373,6 +419,17 @@ class ResultStore:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY seq DESC LIMIT ?"
         return [_record(r) for r in self._conn().execute(sql, (*args, limit))]
+
+
+def _remove_tree(path: Path) -> int:
+    """Remove a directory of plain files; the bytes it held."""
+    size = 0
+    if path.is_dir():
+        for f in path.iterdir():
+            with contextlib.suppress(OSError):
+                size += f.lstat().st_size
+        shutil.rmtree(path, ignore_errors=True)
+    return size
 
 
 @contextlib.contextmanager

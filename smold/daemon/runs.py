@@ -155,6 +155,11 @@ class Runs:
         cap = self.controller.config.copy_cap_bytes
         return await self.store.read_artifact(rid, name, a.sha256, cap), a.sha256
 
+    async def prune(self, older_than: float, labels: Mapping[str, str] | None = None) -> tuple[int, int]:
+        """Remove finished results older than ``older_than`` seconds (with every label given) and their artifacts;
+        (removed, freed bytes). A Run in flight is never removed."""
+        return await self.store.prune(older_than=older_than, labels=labels, keep=set(self._tasks))
+
     async def list(self, labels: Mapping[str, str] | None = None, kind: str = "", limit: int = 0) -> list[StoredResult]:
         return await self.store.list(labels=labels, kind=kind, limit=limit)
 

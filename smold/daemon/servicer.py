@@ -152,6 +152,12 @@ class SmolServicer(pb_grpc.SmolServicer):
             return pb.GetArtifactResponse(content=content, sha256=sha256)
         return await self._call(context, go)
 
+    async def PruneResults(self, request: pb.PruneResultsRequest, context: Any) -> pb.PruneResultsResponse:
+        async def go() -> pb.PruneResultsResponse:
+            removed, freed = await self.runs.prune(request.older_than_seconds, dict(request.labels))
+            return pb.PruneResultsResponse(removed=removed, freed_bytes=freed)
+        return await self._call(context, go)
+
     async def ListResults(self, request: pb.ListResultsRequest, context: Any) -> pb.ListResultsResponse:
         async def go() -> pb.ListResultsResponse:
             rows = await self.runs.list(dict(request.labels), request.kind, request.limit)

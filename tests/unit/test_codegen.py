@@ -72,7 +72,7 @@ def test_service_shape():
         "CreateMachine", "GetMachine", "ListMachines", "Exec", "CopyIn", "CopyOut",
         "Verify", "DestroyMachine", "Run", "Fork", "Snapshot", "ListCheckpoints", "DeleteCheckpoint",
         "BakeImage", "ListBakes", "DeleteBake", "PullImage", "ListImages", "RemoveImage", "PruneImages",
-        "GetResult", "ListResults", "GetArtifact",
+        "GetResult", "ListResults", "GetArtifact", "PruneResults",
     }  # fmt: skip
     for name, method in methods.items():
         assert method.input_type.name == f"{name}Request"

@@ -24,7 +24,7 @@ from daemon_support import (
     wait_until,
 )
 
-from smold.api.machine import ResultState
+from smold.api.machine import Artifact, ResultState
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 from smold.daemon import DaemonConfig
@@ -45,6 +45,42 @@ def workdir() -> Iterator[Path]:
 
 
 # --- the store ------------------------------------------------------------------------------------------------
+async def test_prune_removes_finished_results_with_their_artifacts_never_running_ones(workdir: Path) -> None:
+    store = ResultStore(workdir / "results")
+    await store.open()
+    old = await store.begin("run", {"campaign": "a"})
+    other = await store.begin("run", {"campaign": "b"})
+    running = await store.begin("run", {"campaign": "a"})
+    for rid in (old, other):
+        (kept,) = await store.keep_artifacts(rid, (Artifact("outputs.tar", 5, content=b"12345"),), cap=100)
+        assert kept.kept and kept.sha256 and (workdir / "results" / "artifacts" / rid / "outputs.tar").is_file()
+        await store.finish(rid, state=ResultState.DONE, outcome=Outcome.PASS, outcome_detail="", payload=b"x")
+    ver = await store.add("verify", outcome=Outcome.FAIL, outcome_detail="", payload=b"v")
+    time.sleep(0.01)
+    assert await store.prune(older_than=3600) == (0, 0)  # nothing ended an hour ago
+    assert await store.prune(older_than=0, labels={"campaign": "a"}) == (1, 5)  # not the running one
+    with pytest.raises(ResultNotFoundError):
+        await store.get(old)
+    assert not (workdir / "results" / "artifacts" / old).exists()
+    assert (await store.get(running)).state is ResultState.RUNNING
+    assert await store.prune(older_than=0, keep={other}) == (1, 0)  # the Verify; `other` is kept
+    with pytest.raises(ResultNotFoundError):
+        await store.get(ver)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(InvalidRequestError):
+            await store.prune(older_than=bad)
+    # a prune stopped between its commit and its removals: the next open removes directories without a row
+    orphan = workdir / "results" / "artifacts" / "r-0123456789abcdef"
+    orphan.mkdir()
+    (orphan / "outputs.tar").write_bytes(b"x")
+    await store.close()
+    again = ResultStore(workdir / "results")
+    await again.open()
+    assert not orphan.exists() and (workdir / "results" / "artifacts" / other / "outputs.tar").is_file()
+    await again.close()
+
+
+
 async def test_store_rows_survive_reopening_and_running_ones_become_interrupted(workdir: Path) -> None:
     store = ResultStore(workdir / "results")
     assert await store.open() == 0
@@ -336,5 +372,17 @@ def test_smolctl_and_the_sdk_read_stored_results(workdir: Path) -> None:
         assert detached.returncode == 0 and detached.stdout.decode().strip().startswith("r-"), detached.stderr
         waited = d.smolctl("results", detached.stdout.decode().strip(), "--wait", "60")
         assert waited.returncode == 0 and b"PASS" in waited.stdout, waited.stdout
+
+        # pruning: by age and label, through smolctl and the SDK
+        assert d.smolctl("results", "--prune").returncode == 2  # --older-than is required
+        kept = d.smolctl("results", "--prune", "--older-than", "1d")
+        assert kept.returncode == 0 and b"removed 0 results" in kept.stdout, kept
+        gone = d.smolctl("results", "--prune", "--older-than", "0", "--label", "agent=a1")
+        assert gone.returncode == 0 and b"removed 1 results" in gone.stdout, gone
+        assert d.smolctl("results", rid).returncode == 2  # gone
+        with Client(d.socket) as client:
+            assert client.prune_results(older_than=0, labels={"agent": "sdk"})[0] == 1
+            assert client.list_results(labels={"agent": "detached"})  # the others stay
+            assert client.prune_results(older_than=0)[0] == 2 and client.list_results() == []
     finally:
         assert d.terminate() == 0, d.log_text()

@@ -822,6 +822,29 @@ class GetArtifactResponse(_message.Message):
     sha256: str
     def __init__(self, content: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
 
+class PruneResultsRequest(_message.Message):
+    __slots__ = ("older_than_seconds", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    OLDER_THAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    older_than_seconds: float
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, older_than_seconds: _Optional[float] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class PruneResultsResponse(_message.Message):
+    __slots__ = ("removed", "freed_bytes")
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    freed_bytes: int
+    def __init__(self, removed: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+
 class GetResultRequest(_message.Message):
     __slots__ = ("id", "wait_seconds")
     ID_FIELD_NUMBER: _ClassVar[int]

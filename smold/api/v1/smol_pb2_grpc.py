@@ -150,6 +150,11 @@ class SmolStub:
                 request_serializer=smol_dot_v1_dot_smol__pb2.GetArtifactRequest.SerializeToString,
                 response_deserializer=smol_dot_v1_dot_smol__pb2.GetArtifactResponse.FromString,
                 _registered_method=True)
+        self.PruneResults = channel.unary_unary(
+                '/smol.v1.Smol/PruneResults',
+                request_serializer=smol_dot_v1_dot_smol__pb2.PruneResultsRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.PruneResultsResponse.FromString,
+                _registered_method=True)
 
 
 class SmolServicer:
@@ -312,6 +317,12 @@ class SmolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PruneResults(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SmolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -429,6 +440,11 @@ def add_SmolServicer_to_server(servicer, server):
                     servicer.GetArtifact,
                     request_deserializer=smol_dot_v1_dot_smol__pb2.GetArtifactRequest.FromString,
                     response_serializer=smol_dot_v1_dot_smol__pb2.GetArtifactResponse.SerializeToString,
+            ),
+            'PruneResults': grpc.unary_unary_rpc_method_handler(
+                    servicer.PruneResults,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.PruneResultsRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.PruneResultsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1053,6 +1069,33 @@ class Smol:
             '/smol.v1.Smol/GetArtifact',
             smol_dot_v1_dot_smol__pb2.GetArtifactRequest.SerializeToString,
             smol_dot_v1_dot_smol__pb2.GetArtifactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PruneResults(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/PruneResults',
+            smol_dot_v1_dot_smol__pb2.PruneResultsRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.PruneResultsResponse.FromString,
             options,
             channel_credentials,
             insecure,
