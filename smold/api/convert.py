@@ -266,6 +266,7 @@ def run_result_to_proto(r: RunResult, result_id: str = "") -> pb.RunResponse:
         image_digest=r.image_digest,
         artifacts=[pb.Artifact(name=a.name, size_bytes=a.size_bytes, sha256=a.sha256, kept=a.kept, note=a.note)
                    for a in r.artifacts],
+        smolfile=smolfile_to_spec_proto(r.smolfile) if r.smolfile is not None else None,
     )
 
 

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from smold.smolfile import PortForward
+from smold.smolfile import PortForward, Smolfile
 from smold.verifier import Evidence, Outcome, VerifyResult
 
 
@@ -135,6 +135,7 @@ class RunResult:
     verifier_machine_id: str = ""  # that machine (destroyed)
     image_digest: str = ""         # of the image the task ran on (result.image_digest: the verifier machine's)
     artifacts: tuple[Artifact, ...] = ()  # evidence kept beside the stored result (docs/verifier.md, "Artifacts")
+    smolfile: Smolfile | None = None  # the validated Smolfile the Run ran (its identity, with result.smolfile_digest)
 
     @property
     def outcome(self) -> Outcome:

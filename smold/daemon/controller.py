@@ -1349,6 +1349,9 @@ class Controller:
                   run_result: str = "") -> RunResult:
         """Create, copy mounts, set up, run the task, verify, destroy (always); only the result comes back.
         ``run_result``: the stored result this Run ends in (its machine is then never re-adopted)."""
+        return replace_fields(await self._run(smolfile, name, filename, run_result=run_result), smolfile=smolfile)
+
+    async def _run(self, smolfile: Smolfile, name: str, filename: str, *, run_result: str) -> RunResult:
         start = time.monotonic()
         steps: list[StepResult] = []
         sdigest = digest(smolfile)

@@ -157,6 +157,12 @@ async def test_a_runs_outputs_and_verifier_logs_are_kept_with_its_result(env) ->
     assert sorted(arts) == ["outputs.tar", "verifier-logs.tar"] and all(a.kept for a in arts.values()), arts
     stored = (await stub.GetResult(pb.GetResultRequest(id=resp.result_id))).result
     assert list(stored.run.artifacts) == list(resp.artifacts)
+    # identity: the Smolfile the Run ran is kept with it, and is the one its digest names
+    from smold.api import convert  # noqa: PLC0415
+    from smold.smolfile import digest  # noqa: PLC0415
+
+    assert stored.run.smolfile == resp.smolfile and list(resp.smolfile.verifier_outputs) == [f"{d}/app"]
+    assert digest(convert.smolfile_from_spec_proto(stored.run.smolfile)) == resp.result.smolfile_digest
     got = await stub.GetArtifact(pb.GetArtifactRequest(result_id=resp.result_id, name="outputs.tar"))
     assert got.sha256 == arts["outputs.tar"].sha256 == hashlib.sha256(got.content).hexdigest()
     assert members(got.content)[f"{str(d).lstrip('/')}/app/answer"] == b"42\n"
