@@ -160,22 +160,25 @@ def check_tar(content: bytes) -> int:
         raise InvalidRequestError(f"content is not a readable tar archive: {e}") from None
 
 
-async def unpack_in_guest(client: AgentClient, machine_id: str, archive: bytes, dest: str) -> None:
-    """Write the archive to a temporary guest file and unpack it into dest (created if missing)."""
+async def _archive_into_guest(client: AgentClient, machine_id: str, archive: bytes, script: str, args: Sequence[str],
+                              what: str) -> None:
+    """Write the archive to a temporary guest file, then run ``sh -c script sh TMP ARGS...`` (which unpacks it and
+    removes it); GuestError(FAILED_PRECONDITION) naming ``what`` when that fails."""
     tmp = f"/tmp/.smol-copy-{secrets.token_hex(8)}.tar"
     try:
         await client.write_file(tmp, archive, mode=0o600, mkdirs=True)
-    except AgentError as e:
-        raise guest_error(e, machine_id) from None
-    script = 'mkdir -p -- "$2" && tar -x --no-same-owner -f "$1" -C "$2"; rc=$?; rm -f -- "$1"; exit $rc'
-    try:
-        res = await client.run(["sh", "-c", script, "sh", tmp, dest], timeout=600)
+        res = await client.run(["sh", "-c", script, "sh", tmp, *args], timeout=600)
     except AgentError as e:
         raise guest_error(e, machine_id) from None
     if res.exit_code != 0:
         detail = (res.stderr or res.stdout).decode(errors="replace").strip()[-1000:]
-        raise GuestError(f"machine {machine_id}: unpacking into {dest} failed: {detail or res.exit_code}",
-                         Status.FAILED_PRECONDITION)
+        raise GuestError(f"machine {machine_id}: {what} failed: {detail or res.exit_code}", Status.FAILED_PRECONDITION)
+
+
+async def unpack_in_guest(client: AgentClient, machine_id: str, archive: bytes, dest: str) -> None:
+    """Write the archive to a temporary guest file and unpack it into dest (created if missing)."""
+    script = 'mkdir -p -- "$2" && tar -x --no-same-owner -f "$1" -C "$2"; rc=$?; rm -f -- "$1"; exit $rc'
+    await _archive_into_guest(client, machine_id, archive, script, [dest], f"unpacking into {dest}")
 
 
 async def pack_in_guest(client: AgentClient, machine_id: str, path: str, cap: int) -> bytes:
@@ -269,13 +272,4 @@ async def pack_outputs(client: AgentClient, machine_id: str, outputs: Sequence[s
 
 async def place_outputs(client: AgentClient, machine_id: str, outputs: Sequence[str], archive: bytes) -> None:
     """Replace what the verifier's guest has at ``outputs`` with the (re-packed) archive's content."""
-    tmp = f"/tmp/.smol-outputs-{secrets.token_hex(8)}.tar"
-    try:
-        await client.write_file(tmp, archive, mode=0o600, mkdirs=True)
-        res = await client.run(["sh", "-c", _PLACE_OUTPUTS, "sh", tmp, *outputs], timeout=600)
-    except AgentError as e:
-        raise guest_error(e, machine_id) from None
-    if res.exit_code != 0:
-        detail = (res.stderr or res.stdout).decode(errors="replace").strip()[-1000:]
-        raise GuestError(f"machine {machine_id}: placing the outputs failed: {detail or res.exit_code}",
-                         Status.FAILED_PRECONDITION)
+    await _archive_into_guest(client, machine_id, archive, _PLACE_OUTPUTS, outputs, "placing the outputs")
