@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 # --- versions -----------------------------------------------------------------------------------------------
 PROTOCOL_MAJOR = 1  # carried in every frame header; a different major is rejected with EVERSION
-PROTOCOL_MINOR = 1  # carried in HELLO; minors are backwards compatible, peers use min(minor_a, minor_b)
+PROTOCOL_MINOR = 2  # carried in HELLO; minors are backwards compatible, peers use min(minor_a, minor_b)
 AGENT_VERSION = "0.1.0"
 
 # --- frame header -------------------------------------------------------------------------------------------
@@ -50,6 +50,7 @@ class MsgType:
     READ_FILE = 0x21  # C->A json {"path", "max_size"} -> DATA frames, RESULT {"size"}
     SET_TIME = 0x30  # C->A json {"realtime_ns"} -> RESULT {"previous_ns", "realtime_ns"} (minor >= 1)
     IDENTITY = 0x31  # C->A json {"hostname"?, "machine_id"?, "entropy"?} -> RESULT {...} (minor >= 1)
+    KILL_ALL = 0x32  # C->A json {} -> RESULT {"killed"}: SIGKILL every process but PID 1 (minor >= 2; PID 1 only)
 
 
 TYPE_NAMES = {v: k for k, v in vars(MsgType).items() if not k.startswith("_")}

@@ -145,6 +145,32 @@ def set_identity(spec: "dict[str, Any]") -> "dict[str, Any]":
     return result
 
 
+def kill_all(pid1: bool) -> "dict[str, Any]":
+    """KILL_ALL: SIGKILL every process of the guest but PID 1 (this agent) and kernel threads, so that nothing a
+    task left running (a server, a fork bomb, a process rewriting files, a hook on this agent's connections) is
+    alive when the host takes the guest's files. One kill(-1) suffices: the kernel walks the process list under
+    the lock fork() needs, so no child is born past it. Only as PID 1: elsewhere kill(-1) reaches every process
+    of the agent's user on its host."""
+    if not pid1:
+        raise RequestError(P.ErrorCode.EPERM, "KILL_ALL needs the agent to run as PID 1 (--pid1)")
+    me = os.getpid()
+    killed = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != me:
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    killed += bool(f.read(1))  # kernel threads (and zombies) have none
+            except OSError:
+                pass
+    try:
+        os.kill(-1, 9)
+    except ProcessLookupError:  # nothing else was running
+        pass
+    except OSError as exc:
+        raise os_error(exc, "KILL_ALL") from None
+    return {"killed": killed}
+
+
 def os_error(exc: OSError, what: str) -> RequestError:
     """Map an OSError to a RequestError whose code is the errno name."""
     num = exc.errno or errno.EIO
@@ -740,6 +766,8 @@ class Connection:
             self.send_json(T.RESULT, rid, set_realtime(spec))
         elif mtype == T.IDENTITY:
             self.send_json(T.RESULT, rid, set_identity(spec))
+        elif mtype == T.KILL_ALL:
+            self.send_json(T.RESULT, rid, kill_all(self.agent.pid1))
         elif mtype == T.EXEC:
             self.requests[rid] = ExecRequest(self, rid, spec)
         elif mtype == T.READ_FILE:
@@ -810,7 +838,7 @@ class Connection:
 
 _REQUEST_TYPES = frozenset(
     {P.MsgType.EXEC, P.MsgType.WRITE_FILE, P.MsgType.READ_FILE, P.MsgType.HEALTH, P.MsgType.POWEROFF,
-     P.MsgType.SET_TIME, P.MsgType.IDENTITY}
+     P.MsgType.SET_TIME, P.MsgType.IDENTITY, P.MsgType.KILL_ALL}
 )
 
 

@@ -382,6 +382,15 @@ class AgentClient:
             spec["entropy"] = entropy.hex()
         return await self._call(T.IDENTITY, spec)
 
+    async def kill_all(self) -> int:
+        """SIGKILL every guest process but the agent (KILL_ALL, protocol 1.2; the agent must be PID 1); how many
+        there were. AgentRequestError (ENOSYS from an older agent, EPERM when not PID 1) otherwise."""
+        res = await self._call(T.KILL_ALL, {})
+        killed = res.get("killed")
+        if not isinstance(killed, int) or isinstance(killed, bool):
+            raise AgentProtocolError(f"KILL_ALL: bad result {res!r}")
+        return killed
+
     async def poweroff(self) -> None:
         """Ask the agent to power the guest off (sync + reboot syscall; in non-pid1 mode the agent exits)."""
         try:

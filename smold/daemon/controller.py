@@ -1409,7 +1409,10 @@ class Controller:
         t0 = time.monotonic()
         packed: Repacked | None = None
         why = ""
+        killed = ""
         try:  # everything from the task's guest is hostile: its archive is re-packed on the host
+            async with self._agent(m) as client:  # first nothing of the task's may run (its own connection: a
+                killed = await guestops.kill_task_processes(client, m.id)  # hook on it dies with the task)
             async with self._agent(m) as client:
                 raw = await guestops.pack_outputs(client, m.id, sf.verifier_outputs, self.config.copy_cap_bytes)
             packed = await asyncio.to_thread(repack, raw, sf.verifier_outputs, cap=self.config.copy_cap_bytes)
@@ -1417,13 +1420,14 @@ class Controller:
             why = str(e)
         await self._destroy_quietly(m)
         if packed is None:
+            why = "; ".join(x for x in (killed, why) if x)
             steps.append(StepResult("outputs", False, Evidence(duration_ms=_ms_since(t0), detail=why)))
             result = _undecided(m, "outputs", "outputs", Evidence(detail=f"the task's outputs could not be taken: "
                                                                   f"{why}"), t0)
             return RunResult(result, tuple(steps), m.id, duration_ms=_ms_since(start), network=network, sealed=True,
                              image_digest=m.image_digest)
         missing = [o for o in sf.verifier_outputs if o not in packed.present]
-        detail = packed.describe() + (f"; not present: {', '.join(missing)}" if missing else "")
+        detail = packed.describe() + (f"; not present: {', '.join(missing)}" if missing else "") + f"; {killed}"
         artifacts: tuple[Artifact, ...] = (Artifact(OUTPUTS_ARTIFACT, len(packed.archive), content=packed.archive),)
         steps.append(StepResult("outputs", True, Evidence(duration_ms=_ms_since(t0), detail=detail)))
         vsteps: list[StepResult] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -333,7 +334,8 @@ echo hostile done
 
 
 # A hostile agent that cannot be judged by its own tar: `tar` replaced by a forger whose archive reaches for the
-# verifier's files (an absolute name, "..", a name outside the outputs, a path through a symbolic link).
+# verifier's files (an absolute name, "..", a name outside the outputs, a path through a symbolic link); it also
+# leaves a storm of respawning processes behind and fills its disk.
 FORGER_SH = """echo 41 > /app/answer
 python3 - <<'PY'
 import io, tarfile
@@ -349,6 +351,9 @@ with tarfile.open("/tmp/evil.tar", "w", format=tarfile.GNU_FORMAT) as t:
 PY
 printf '#!/bin/sh\\ncat /tmp/evil.tar\\n' > /tmp/tar && chmod +x /tmp/tar
 for t in /usr/local/bin/tar /usr/bin/tar; do cp /tmp/tar "$t"; done
+for i in 1 2 3 4 5 6 7 8; do (while :; do sleep 5 & sleep 0.05; done) > /dev/null 2>&1 & done
+fallocate -l "$(python3 -c 'import os; s = os.statvfs("/"); print(s.f_bavail * s.f_frsize)')" /fill
+python3 -c 'import os; s = os.statvfs("/"); print("disk full" if s.f_bavail * s.f_frsize < 1 << 20 else "room left")'
 echo forger done
 """
 # A hostile agent that hooks the guest agent: it takes PID 1's vsock connections with pidfd_getfd(2) and writes
@@ -418,6 +423,7 @@ def test_a_sealed_run_keeps_a_hostile_agent_from_rigging_the_verdict(daemon: Dae
     steps = {s["name"]: s for s in doc["steps"]}
     assert "hostile done" in steps["task"]["evidence"]["output_tail"], steps["task"]
     assert "1 files" in steps["outputs"]["evidence"]["detail"] and "verifier.boot" in steps
+    assert "processes the task left were killed" in steps["outputs"]["evidence"]["detail"]  # the rewriter too
     code, doc = verdicts["legit"]
     assert code == 0 and doc["outcome"] == "OUTCOME_PASS" and doc["sealed"], doc
     assert doc["verifier_machine_id"] != doc["machine_id"]
@@ -437,6 +443,9 @@ def test_a_sealed_run_keeps_a_hostile_agent_from_rigging_the_verdict(daemon: Dae
     assert "forger done" in steps["task"]["evidence"]["output_tail"], steps["task"]
     outputs = steps["outputs"]["evidence"]["detail"]
     assert "names outside the outputs" in outputs and "entries below a symbolic link" in outputs, outputs
+    assert "disk full" in steps["task"]["evidence"]["output_tail"], steps["task"]
+    killed = re.search(r"(\d+) processes the task left were killed", outputs)  # KILL_ALL before the outputs
+    assert killed and int(killed.group(1)) >= 8, outputs
     assert "genuine check: wrong" in doc["result"]["checks"][0]["evidence"]["output_tail"], doc
     code, doc = verdicts["hook"]
     assert doc.get("outcome") in ("OUTCOME_FAIL", "OUTCOME_VERIFIER_ERROR") and doc["sealed"], doc

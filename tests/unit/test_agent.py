@@ -722,6 +722,49 @@ async def test_pid1_ignores_sigterm_and_env_is_sane(pid1_agent):
         assert r.signal == signal.SIGTERM  # dispositions ignored by PID 1 are reset in the child
 
 
+@needs_pidns
+async def test_pid1_kill_all_leaves_nothing_the_task_started(pid1_agent):
+    """KILL_ALL: a respawning storm of processes, a detached sleeper and a running exec are all gone after one
+    request; the agent goes on serving (a sealed Run's outputs are taken after it)."""
+    agent_pid = pid1_agent.agent_pid
+    async with await connect_unix(pid1_agent.path) as c:
+        storm = "for i in 1 2 3 4 5 6 7 8; do (while :; do sleep 5 & sleep 0.01; done) & done; (setsid sleep 60 &)"
+        assert (await c.run(["sh", "-c", f"({storm}) > /dev/null 2>&1 &"])).exit_code == 0
+        await asyncio.sleep(0.5)
+        hung = await c.exec(["sleep", "60"])  # an exec still running on this connection
+        assert len(_descendants(agent_pid)) > 10
+        killed = await c.kill_all()
+        assert killed > 10
+        async for _ in hung:
+            pass
+        assert hung.exit is not None and hung.exit.signal == signal.SIGKILL
+        deadline = time.monotonic() + 5
+        while (left := [p for p in _descendants(agent_pid) if _state(p) != "Z"]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert left == [], {p: _state(p) for p in left}
+        assert (await c.run(["sh", "-c", "echo alive"])).stdout == b"alive\n"
+
+
+async def test_kill_all_is_refused_unless_pid1(agent):
+    async with await connect_unix(agent.path) as c:
+        with pytest.raises(AgentRequestError) as e:
+            await c.kill_all()
+        assert e.value.code == "EPERM" and "PID 1" in e.value.message
+        assert (await c.run(["true"])).exit_code == 0  # and nothing was killed
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], _children(pid)
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            todo += _children(p)
+        except FileNotFoundError:
+            pass
+    return out
+
+
 # The VMM sets GLIBC_TUNABLES for the whole guest on PVM hosts (smold/kvm/cpuid.py, docs/pvm-emulator.md
 # item 10); commands must inherit it from the agent, which otherwise builds their environment from scratch.
 PLATFORM_ENV = {"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2", "SMOL_NOT_INHERITED": "1"}
