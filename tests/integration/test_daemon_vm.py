@@ -388,6 +388,16 @@ PY
 echo hook done
 """
 
+# A hostile agent that goes for the guest agent itself: SIGKILL and SIGSEGV to PID 1 (the kernel protects init from
+# both), /bin/sh replaced by a script that says "rigged", then the guest rebooted, which ends the VM: there is
+# nothing left to judge, and the verdict says so (VERIFIER_ERROR), never PASS.
+KILLER_SH = """echo 41 > /app/answer
+kill -9 1; kill -SEGV 1; sleep 0.5; kill -0 1 && echo agent still alive
+rm -f /bin/sh && printf '#!/bin/dash\\necho rigged\\n' > /bin/sh && chmod +x /bin/sh && echo sh replaced
+sleep 0.5; sync; python3 -c 'import ctypes; ctypes.CDLL(None).reboot(0x01234567)'
+echo still here
+"""
+
 
 def sealed_runs(daemon: Daemon, workdir: Path, solutions: dict[str, str]) -> dict[str, tuple[int, dict]]:
     """Sealed Runs of SEALED_SMOLFILE with these solve.sh scripts, all at once: {name: (exit code, reply)}."""
@@ -454,4 +464,13 @@ def test_a_sealed_run_keeps_a_hostile_agent_from_rigging_the_verdict(daemon: Dae
     if doc["outcome"] == "OUTCOME_FAIL":
         assert "genuine check: wrong" in doc["result"]["checks"][0]["evidence"]["output_tail"], doc
     assert daemon.smolctl("ls", "-q").returncode == 0  # the daemon is unharmed
+
+    code, doc = sealed_runs(daemon, workdir, {"killer": KILLER_SH})["killer"]
+    assert code == 3 and doc["outcome"] == "OUTCOME_VERIFIER_ERROR" and doc["sealed"], doc
+    steps = {s["name"]: s for s in doc["steps"]}
+    assert "agent still alive" in steps["task"]["evidence"]["output_tail"], steps["task"]
+    assert "sh replaced" in steps["task"]["evidence"]["output_tail"] and not steps["task"].get("ok"), steps["task"]
+    assert "still here" not in steps["task"]["evidence"]["output_tail"], steps["task"]
+    assert not steps["outputs"].get("ok"), steps["outputs"]  # the guest is gone: nothing to judge
+    assert "the task's outputs could not be taken" in doc["result"]["checks"][0]["evidence"]["detail"], doc
     assert daemon.smolctl("ls", "-q").stdout == b"" and vmm_processes(daemon.state) == []
