@@ -515,6 +515,9 @@ class Machine:
         return MachineExit("poweroff", "guest reset through the i8042 controller")
 
     def _on_vcpu_exit(self, e: VcpuExit) -> None:
+        if e.kind != "stopped":
+            log.info("vcpu%d ended %.3f s after the vCPUs started: %s %s", e.vcpu,
+                     time.monotonic() - (self.started_at or time.monotonic()), e.kind, e.detail)
         kind = {"stopped": "stopped", "reset": "poweroff", "shutdown": "poweroff"}.get(e.kind, e.kind)
         self._finish(MachineExit(kind, f"vcpu{e.vcpu}: {e.detail}" if e.detail else f"vcpu{e.vcpu} {e.kind}"))
 
@@ -533,6 +536,19 @@ class Machine:
 
     def stop(self, reason: str = "stopped by the host") -> None:
         self._finish(MachineExit("stopped", reason))
+
+    @property
+    def exit(self) -> MachineExit | None:
+        """The first reason the VM ended, as soon as it is known (before its vCPUs and devices are stopped)."""
+        return self._exit
+
+    async def wait_ended(self) -> MachineExit:
+        """Until the first reason the VM ends is known (``run`` then stops the vCPUs and devices)."""
+        if self._done is None:
+            raise MachineError("the machine is not running")
+        await self._done.wait()
+        assert self._exit is not None
+        return self._exit
 
     def describe_fault(self, vcpu: Vcpu) -> str:
         regs = vcpu.get_regs()
@@ -591,16 +607,22 @@ class Machine:
         return self._exit
 
     async def _shutdown(self) -> None:
+        t0 = time.monotonic()
         for t in self.threads:
             t.stop()
         for t in self.threads:
             await asyncio.to_thread(t.join, 5)
+            if t.is_alive():
+                log.warning("vcpu%d did not stop within 5 s of the request (stuck in KVM_RUN?)", t.vcpu.index)
         loop = asyncio.get_running_loop()
         for fd, _t, _q in self._notify_fds:
             loop.remove_reader(fd)
         if self.net_backend is not None:
             self.net_backend.stop()
         await self.vsock_backend.close()
+        took = time.monotonic() - t0
+        if took > 2:
+            log.warning("stopping the devices and vCPUs took %.1f s", took)
 
     # -- pause, resume, snapshot ---------------------------------------------------------------------------
     @property

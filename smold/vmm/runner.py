@@ -30,6 +30,7 @@ AGENT_VSOCK_PORT = 1024       # the guest's /init starts the agent on this port
 READY_FILE = "ready.json"
 EXIT_FILE = "exit.json"
 CONSOLE_FILE = "console.log"
+SHUTDOWN_LIMIT_S = 60.0      # after the machine ended, for stopping its vCPUs and devices
 CONTROL_FILE = "control.sock"
 
 
@@ -97,6 +98,16 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text + "\n")
     os.replace(tmp, path)
+
+
+def connect_attempt_timeout(attempt: int, restored: bool) -> float:
+    """Seconds for the ``attempt``-th (1-based) connection to a booting guest's agent: 1, 2, 4, then 5 s each
+    after a restore; 5 s each after a cold boot. Bounded for any count: a guest that refuses every connection
+    at once is retried about twice a second until the boot timeout (an unbounded power of two here once
+    overflowed a float after 1024 refusals and failed the runner)."""
+    if not restored:
+        return 5.0
+    return min(5.0, 0.5 * 2 ** min(max(attempt, 1), 4))
 
 
 class Runner:
@@ -185,7 +196,10 @@ class Runner:
             await control.start()
             outcome.timings["vcpu_start"] = time.monotonic() - self.process_start
             supervisor = asyncio.ensure_future(self._supervise(machine, outcome, body))
-            done, _ = await asyncio.wait({run_task, supervisor}, return_when=asyncio.FIRST_COMPLETED)
+            # The machine's end is known before run_task has stopped its vCPUs and devices: stop supervising
+            # (connecting to a dead guest) at once.
+            ended = asyncio.ensure_future(machine.wait_ended())
+            done, _ = await asyncio.wait({run_task, supervisor, ended}, return_when=asyncio.FIRST_COMPLETED)
             if supervisor in done and supervisor.exception() is None and not outcome.error:
                 # The body finished: wait for the guest to power off (bounded), else stop it.
                 try:
@@ -198,7 +212,14 @@ class Runner:
                 supervisor.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await supervisor
-            outcome.exit = await run_task
+            ended.cancel()
+            try:
+                outcome.exit = await asyncio.wait_for(asyncio.shield(run_task), SHUTDOWN_LIMIT_S)
+            except TimeoutError:
+                outcome.exit = machine.exit or MachineExit("error", "the machine did not stop")
+                outcome.error = outcome.error or (f"the VMM could not stop its vCPUs and devices within "
+                                                  f"{SHUTDOWN_LIMIT_S:g} s of the machine's end")
+                log.error("%s", outcome.error)
             if supervisor.done() and not supervisor.cancelled() and supervisor.exception() is not None:
                 outcome.error = outcome.error or f"runner failed: {supervisor.exception()!r}"
             if outcome.exit.kind in ("error", "crash") and not outcome.error:
@@ -237,7 +258,7 @@ class Runner:
 
         def connect() -> Awaitable[AgentClient]:
             attempts[0] += 1
-            timeout = min(5.0, 0.5 * 2 ** attempts[0]) if machine.restored else 5.0
+            timeout = connect_attempt_timeout(attempts[0], machine.restored)
             return connect_vsock_uds(str(machine.vsock_path), AGENT_VSOCK_PORT, timeout=timeout)
 
         try:
