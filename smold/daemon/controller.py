@@ -28,6 +28,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
@@ -419,16 +420,29 @@ class Controller:
     def console_tail(m: Machine, limit: int) -> str:
         """The end of the serial console log (or, for a VM process without one, of its own output)."""
         for name in (CONSOLE_FILE, LOG_FILE):
-            path = m.state_dir / name
             try:
-                with open(path, "rb") as f:
-                    f.seek(0, 2)
-                    size = f.tell()
-                    f.seek(max(0, size - limit))
-                    return tail_text(f.read(), limit)
+                return Controller.file_tail(m.state_dir / name, limit, missing_ok=False)
             except OSError:
                 continue
         return ""
+
+    @staticmethod
+    def file_tail(path: Path, limit: int, *, missing_ok: bool = True) -> str:
+        """The last ``limit`` bytes of a file the VM process writes (hostile: bounded, decoded with replacement)."""
+        try:
+            # Never follow a link or block on a FIFO the VM process may have put in its place.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with open(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(f"{path} is not a regular file")
+                f.seek(0, 2)
+                size = f.tell()
+                f.seek(max(0, size - limit))
+                return tail_text(f.read(limit), limit)
+        except OSError:
+            if missing_ok:
+                return ""
+            raise
 
     @property
     def memory_in_use_mib(self) -> int:
@@ -684,6 +698,9 @@ class Controller:
         tail = self.console_tail(m, 2048).rstrip()
         if tail:
             log.warning("machine %s console tail:\n%s", m.id, tail)
+        vmm_tail = self.file_tail(m.state_dir / LOG_FILE, 3072).rstrip()
+        if vmm_tail:   # what the VMM logged (a restored guest's console starts empty)
+            log.warning("machine %s %s tail:\n%s", m.id, LOG_FILE, vmm_tail)
         self._evict_failed()
 
     async def _fail(self, m: Machine, reason: str) -> None:

@@ -71,6 +71,17 @@ class CrashingLauncher(HostAgentLauncher):
         return [sys.executable, "-c", "import sys; print('vmm: boom'); sys.exit(3)"]
 
 
+class SilentConsoleLauncher(HostAgentLauncher):
+    """A "VM process" with an empty console (as a restored guest's starts) that logs why it ends and exits 1."""
+
+    kind = "silent-console"
+
+    def command(self, spec: LaunchSpec) -> list[str]:
+        return [sys.executable, "-c", "import pathlib, sys; pathlib.Path(sys.argv[1], 'console.log').touch(); "
+                "print('vcpu1 ended 0.2 s after the vCPUs started: reset triple fault'); sys.exit(1)",
+                str(spec.state_dir)]
+
+
 class NeverReadyLauncher(HostAgentLauncher):
     """A "VM process" that runs but never becomes ready (boot timeout)."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ from daemon_support import (
     CrashingLauncher,
     HostAgentLauncher,
     NeverReadyLauncher,
+    SilentConsoleLauncher,
     fake_images,
     files_under,
     pid_alive,
@@ -524,6 +526,18 @@ async def test_machine_and_memory_limits_give_resource_exhausted(env: Env) -> No
 
 
 # --- boot failures (controller with failing launchers) ------------------------------------------------------
+async def test_a_failed_vm_process_leaves_its_log_in_the_daemons_log(workdir: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # A restored guest's console is empty: what the VMM logged is the only evidence of why it ended.
+    config = DaemonConfig(socket_path=workdir / "s", state_dir=workdir / "state", boot_grace_s=0.5)
+    ctl = Controller(config, SilentConsoleLauncher(), fake_images(workdir))
+    await ctl.start()
+    with caplog.at_level(logging.WARNING, logger="smold.controller"), pytest.raises(CreateFailedError):
+        await ctl.create(parse_smolfile("memory = 256", base_dir=None))
+    assert "vmm.log tail:\nvcpu1 ended 0.2 s after the vCPUs started: reset triple fault" in caplog.text
+    await ctl.shutdown(leave=False)
+
+
 async def test_vm_process_that_dies_during_boot_fails_the_create(workdir: Path) -> None:
     config = DaemonConfig(socket_path=workdir / "s", state_dir=workdir / "state", boot_grace_s=0.5)
     ctl = Controller(config, CrashingLauncher(), fake_images(workdir))
