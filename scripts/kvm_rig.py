@@ -396,10 +396,12 @@ def _cpu_model(text: str) -> str:
 
 
 def qemu_argv(qemu: str, tree: KernelTree, initramfs: Path, jobdir: Path, cpus: int, memory_mib: int,
-              shares: list[str] | tuple[str, ...] = (), cpu_model: str = "max", tcg_thread: str = "multi") -> list[str]:
+              shares: list[str] | tuple[str, ...] = (), cpu_model: str = "max", tcg_thread: str = "multi",
+              tb_size_mib: int = 0) -> list[str]:
     cmdline = ("console=ttyS0 panic=-1 loglevel=4 mitigations=off random.trust_cpu=on "
                "systemd.unified_cgroup_hierarchy=1 rdinit=/init")
-    return [qemu, "-accel", f"tcg,thread={tcg_thread}", "-cpu", cpu_model, "-smp", str(cpus),
+    accel = f"tcg,thread={tcg_thread}" + (f",tb-size={tb_size_mib}" if tb_size_mib else "")
+    return [qemu, "-accel", accel, "-cpu", cpu_model, "-smp", str(cpus),
             "-m", f"{memory_mib}M", "-M", "q35", "-nodefaults", "-nographic", "-no-reboot", "-nic", "none",
             "-kernel", str(tree.vmlinuz), "-initrd", str(initramfs), "-append", cmdline,
             "-serial", f"file:{jobdir / 'console.log'}", "-monitor", "none",
@@ -461,13 +463,14 @@ class Rig:
         init = (RIG_INIT.replace("@MODULES@", str(tree.modules)).replace("@KVER@", tree.version)
                 .replace("@KVM_LOAD@", kvm_load).replace("@MSIZE@", str(MSIZE))
                 .replace("@QEMU@", ".".join(map(str, version))).replace("@CPU@", self.args.cpu_model)
-                .replace("@TCG@", f"thread={self.args.tcg_thread}"))
+                .replace("@TCG@", f"thread={self.args.tcg_thread}"
+                         + (f", tb-size={self.args.tb_size} MiB" if self.args.tb_size else "")))
         (self.jobdir / "init").write_text(init)
         (self.jobdir / "init").chmod(0o755)
         (self.jobdir / "job.json").write_text(json.dumps(dataclasses.asdict(self.job)))
         (self.jobdir / "output").touch()
         return qemu_argv(qemu, tree, initramfs, self.jobdir, self.args.cpus, self.args.memory, self.job.shares,
-                         self.args.cpu_model, self.args.tcg_thread)
+                         self.args.cpu_model, self.args.tcg_thread, self.args.tb_size)
 
     def pump(self) -> None:
         """Copy what the command wrote since the last call to our output."""
@@ -578,6 +581,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="QEMU's -cpu for the rig (default max; e.g. EPYC-v4: it must have svm)")
     p.add_argument("--tcg-thread", choices=("multi", "single"), default="multi",
                    help="QEMU's TCG threading: one host thread per vCPU (default), or one for all (slower)")
+    p.add_argument("--tb-size", type=int, default=0, metavar="MIB",
+                   help="QEMU's TCG translation cache in MiB (default: QEMU's); a small one flushes it often, "
+                        "which kicks every vCPU out of its loop (docs/kvm-rig.md, the EVENTINJ flaw)")
     p.add_argument("--kvm-amd", action="append", default=[], type=_module_param, metavar="PARAM=VALUE",
                    help="a kvm_amd module parameter in the rig, e.g. vgif=0 (repeatable; docs/kvm-rig.md)")
     p.add_argument("--break-kvm", action="store_true", help=argparse.SUPPRESS)   # CI's check that a broken rig fails

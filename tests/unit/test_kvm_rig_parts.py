@@ -104,6 +104,10 @@ def test_candidate_options_reach_qemu_and_the_module_load(tmp_path: Path) -> Non
     assert kvm_rig.parse_args(["--", "true"]).tcg_thread == "multi"
     single = kvm_rig.qemu_argv("qemu", tree, tmp_path / "initrd", tmp_path / "job", 2, 4096, tcg_thread="single")
     assert single[single.index("-accel") + 1] == "tcg,thread=single"
+    small = kvm_rig.qemu_argv("qemu", tree, tmp_path / "initrd", tmp_path / "job", 2, 4096, tb_size_mib=32)
+    assert small[small.index("-accel") + 1] == "tcg,thread=multi,tb-size=32"
+    assert kvm_rig.parse_args(["--tb-size", "32", "--", "true"]).tb_size == 32
+    assert kvm_rig.parse_args(["--", "true"]).tb_size == 0
     for bad in (["--kvm-amd", "vgif=0; reboot"], ["--kvm-amd", "vgif"], ["--cpu-model", "max $(x)"]):
         with pytest.raises(SystemExit):
             kvm_rig.parse_args([*bad, "--", "true"])
