@@ -369,12 +369,19 @@ def default_memory_mib() -> int:
     return max(4096, min(16384, total // 2))
 
 
-def qemu_version(qemu: str) -> tuple[int, ...]:
-    """QEMU's version from ``--version`` ("QEMU emulator version 10.0.2 (Debian ...)"); (0,) when unreadable."""
+PATCHED_MARK = "SVM EVENTINJ fix"   # .ci/rig-qemu's --with-pkgversion
+
+
+def qemu_version_text(qemu: str) -> str:
     try:
-        out = subprocess.run([qemu, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return subprocess.run([qemu, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
-        return (0,)
+        return ""
+
+
+def qemu_version(qemu: str, text: str | None = None) -> tuple[int, ...]:
+    """QEMU's version from ``--version`` ("QEMU emulator version 10.0.2 (Debian ...)"); (0,) when unreadable."""
+    out = qemu_version_text(qemu) if text is None else text
     m = re.search(r"version (\d+)\.(\d+)(?:\.(\d+))?", out)
     return tuple(int(g) for g in m.groups() if g is not None) if m else (0,)
 
@@ -450,7 +457,9 @@ class Rig:
         qemu = shutil.which(self.args.qemu) or self.args.qemu
         if not os.path.exists(qemu):
             raise RigError(f"{self.args.qemu} is not installed (apt-get install qemu-system-x86)")
-        version = qemu_version(qemu)
+        text = qemu_version_text(qemu)
+        version = qemu_version(qemu, text)
+        label = ".".join(map(str, version)) + (" with the SVM EVENTINJ fix" if PATCHED_MARK in text else "")
         if version < (10, 0):
             log(f"warning: QEMU {'.'.join(map(str, version))} is older than 10.0; its TCG panicked the rig's kernel "
                 "in 2 of 4 VM-tier runs (docs/kvm-rig.md); scripts/setup ci installs 10.0 from bookworm-backports")
@@ -462,7 +471,7 @@ class Rig:
         kvm_load = "false" if self.args.break_kvm else " ".join(["modprobe", "kvm_amd", *self.args.kvm_amd])
         init = (RIG_INIT.replace("@MODULES@", str(tree.modules)).replace("@KVER@", tree.version)
                 .replace("@KVM_LOAD@", kvm_load).replace("@MSIZE@", str(MSIZE))
-                .replace("@QEMU@", ".".join(map(str, version))).replace("@CPU@", self.args.cpu_model)
+                .replace("@QEMU@", label).replace("@CPU@", self.args.cpu_model)
                 .replace("@TCG@", f"thread={self.args.tcg_thread}"
                          + (f", tb-size={self.args.tb_size} MiB" if self.args.tb_size else "")))
         (self.jobdir / "init").write_text(init)
@@ -574,7 +583,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--share", action="append", default=[], metavar="DIR",
                    help="a host directory (made if missing) the command sees read-write at the same path; what it "
                         "writes there reaches this host as it is written and stays if the rig dies")
-    p.add_argument("--qemu", default="qemu-system-x86_64")
+    p.add_argument("--qemu", default=os.environ.get("SMOL_RIG_QEMU") or "qemu-system-x86_64",
+                   help="QEMU binary (default: $SMOL_RIG_QEMU, e.g. .ci/rig-qemu's build with the SVM "
+                        "event-injection fix, else qemu-system-x86_64)")
     p.add_argument("--busybox", default="/bin/busybox")
     p.add_argument("--kernel-root", help="use boot/vmlinuz-V and lib/modules/V under this root instead of apt's")
     p.add_argument("--cpu-model", default="max", type=_cpu_model,
