@@ -391,7 +391,7 @@ def smolfile_to_spec_proto(s: Smolfile) -> pb.SmolfileSpec:
         cpus=s.cpus,
         memory_mib=s.memory_mib,
         network=pb.NetworkPolicy(allow=[str(r) for r in s.network.allow],
-                                 forward=[str(f) for f in s.network.forward]),
+                                 forward=[str(f) for f in s.network.forward], public=s.network.public),
         mounts=[pb.Mount(host_path=m.host, guest_path=m.guest) for m in s.mounts],
         env=dict(s.env),
         setup=[command_to_proto(c) for c in s.setup],
@@ -480,10 +480,12 @@ def spec_mapping(msg: pb.SmolfileSpec, file: str = INLINE_SPEC) -> dict[str, Any
         out["cpus"] = msg.cpus
     if msg.HasField("memory_mib"):
         out["memory"] = msg.memory_mib
-    if len(msg.network.allow) or len(msg.network.forward):
+    if len(msg.network.allow) or len(msg.network.forward) or msg.network.public:
         out["network"] = {"allow": list(msg.network.allow)}
         if len(msg.network.forward):
             out["network"]["forward"] = list(msg.network.forward)
+        if msg.network.public:
+            out["network"]["public"] = True
     if len(msg.mounts):
         out["mounts"] = _mounts_mapping(msg.mounts, file, ["mounts"])
     if len(msg.env):

@@ -36,13 +36,17 @@ from .resolver import DnsPolicy, DnsServer, Resolve, normalize_name, resolve_on_
 from .rules import (
     COUNTERS,
     GUEST_IF,
+    HOST_TABLE,
     SET_ALLOW,
     SET_ALLOW_PORT,
     SET_DENIED_L4,
     SET_DENIED_OTHER,
+    SET_NAT_SOURCES,
+    SET_PUBLIC_UPLINKS,
     TABLE,
     UPLINK_IF,
     AllowedDestinations,
+    build_host_ruleset,
     build_ruleset,
     network_element,
     port_element,
@@ -88,6 +92,7 @@ class ResolvedPolicy:
     names: dict[str, tuple[ipaddress.IPv4Address, ...]]
     name_ports: dict[str, tuple[int | None, ...]]   # None: any port
     ignored: tuple[str, ...] = ()                    # rules that cannot apply (IPv6: the guest has none)
+    public: bool = False                             # also every public IPv4 address (NetworkPolicy.public)
 
 
 def resolve_policy(policy: NetworkPolicy, resolve: Resolve = resolve_on_host) -> ResolvedPolicy:
@@ -118,7 +123,7 @@ def resolve_policy(policy: NetworkPolicy, resolve: Resolve = resolve_on_host) ->
         AllowedDestinations.of(nets, ports),
         {n: tuple(sorted(a)) for n, a in names.items()},
         {n: tuple(sorted(p, key=lambda x: -1 if x is None else x)) for n, p in name_ports.items()},
-        tuple(ignored))
+        tuple(ignored), policy.public)
 
 
 @dataclass
@@ -162,10 +167,12 @@ class NetworkManager:
     """Creates and removes machines' networks; owns the uplink pool. Blocking work runs in threads."""
 
     def __init__(self, pool: AddressPool | None = None, resolve: Resolve = resolve_on_host,
-                 enable_forwarding: bool = True) -> None:
+                 enable_forwarding: bool = True, host_rules: bool = True) -> None:
         self.pool = pool or AddressPool(DEFAULT_POOL)
         self.resolve = resolve
         self.enable_forwarding = enable_forwarding
+        self.host_rules = host_rules   # the host's table (rules.build_host_ruleset); off only for tests
+        self._pool_in_host_table = False
         self.networks: dict[str, VmNetwork] = {}
 
     # --- set up -------------------------------------------------------------------------------------------
@@ -188,6 +195,7 @@ class NetworkManager:
         try:
             await asyncio.to_thread(self._create_links, net)
             await asyncio.to_thread(nft.apply, net.namespace, render(self.ruleset(net)))
+            await asyncio.to_thread(self._host_rules, net)
             await self._start_dns(net)
             if policy.forward:
                 net.forwarder = PortForwarder(machine_id, net.namespace, GUEST, policy.forward, auto_ports=auto_ports)
@@ -218,6 +226,7 @@ class NetworkManager:
                     nft.table_exists, net.namespace):
                 raise NetError(f"machine {machine_id}: its namespace {net.namespace} or nft table is gone")
             await asyncio.to_thread(self._allow_resolved, net)
+            await asyncio.to_thread(self._host_rules, net)
             await self._start_dns(net)
         except BaseException:
             self.networks.pop(machine_id, None)
@@ -235,7 +244,28 @@ class NetworkManager:
         return net
 
     def ruleset(self, net: VmNetwork):  # type: ignore[no-untyped-def]
-        return build_ruleset(net.allowed, gateway=GATEWAY, guest=GUEST)
+        blocked = [self.pool.network, *netns.host_addresses()] if net.resolved.public else []
+        return build_ruleset(net.allowed, gateway=GATEWAY, guest=GUEST, public=net.resolved.public, blocked=blocked)
+
+    def _host_rules(self, net: VmNetwork) -> None:
+        """The host's table (created if missing, else given this pool), and a public machine's uplink in it
+        before its guest can send anything: the host itself is then out of its reach."""
+        if not self.host_rules:
+            return
+        if not nft.table_exists(None, HOST_TABLE):
+            try:
+                nft.apply(None, render(build_host_ruleset([self.pool.network], HOST_IF_PREFIX), replace=False))
+            except NetError:
+                if not nft.table_exists(None, HOST_TABLE):  # not another daemon's creation racing ours
+                    raise
+        if not self._pool_in_host_table:
+            try:
+                nft.add_elements(None, SET_NAT_SOURCES, [network_element(self.pool.network)], table=HOST_TABLE)
+            except NetError as e:  # another daemon's pool overlapping ours: its element masquerades ours too
+                log.info("pool %s not added to the host's nat_sources: %s", self.pool.network, e)
+            self._pool_in_host_table = True
+        if net.resolved.public:
+            nft.add_elements(None, SET_PUBLIC_UPLINKS, [f'"{net.host_if}"'], table=HOST_TABLE)
 
     def _create_links(self, net: VmNetwork) -> None:
         if self.enable_forwarding and netns.read_sysctl("net.ipv4.ip_forward") != "1":
@@ -278,14 +308,14 @@ class NetworkManager:
         nft.add_elements(net.namespace, SET_ALLOW, plain)
         nft.add_elements(net.namespace, SET_ALLOW_PORT, with_port)
         net.resolved = ResolvedPolicy(AllowedDestinations.of(nets, ports), net.resolved.names,
-                                      net.resolved.name_ports, net.resolved.ignored)
+                                      net.resolved.name_ports, net.resolved.ignored, net.resolved.public)
 
     async def _start_dns(self, net: VmNetwork) -> None:
         async def on_addresses(name: str, addrs: tuple[ipaddress.IPv4Address, ...]) -> None:
             async with net.lock:
                 await asyncio.to_thread(self._add_name_addresses, net, name, addrs)
 
-        policy = DnsPolicy(net.resolved.names, self.resolve, on_addresses)
+        policy = DnsPolicy(net.resolved.names, self.resolve, on_addresses, any_name=net.resolved.public)
         udp, tcp = await asyncio.to_thread(netns.in_netns, net.namespace, _dns_sockets)
         server = DnsServer(policy)
         try:
@@ -324,6 +354,8 @@ class NetworkManager:
             await net.dns.close()
             net.dns = None
         await asyncio.to_thread(remove_network, net.namespace, net.host_if)
+        if net.resolved.public and self.host_rules:
+            await asyncio.to_thread(remove_public_uplink, net.host_if)
         self.pool.release(net.uplink.index)
         self.networks.pop(net.machine_id, None)
 
@@ -411,6 +443,12 @@ def remove_network(namespace: str, host_if: str) -> None:
         with contextlib.suppress(NetError):  # if the namespace lingers, the tap must not keep it busy
             netns.in_netns(namespace, netns._delete_link, GUEST_IF)
         netns.remove_namespace(namespace)
+
+
+def remove_public_uplink(host_if: str) -> None:
+    """Take a machine's uplink out of the host table's public set (nothing if it is not there)."""
+    with contextlib.suppress(NetError):
+        nft.delete_elements(None, SET_PUBLIC_UPLINKS, [f'"{host_if}"'], table=HOST_TABLE)
 
 
 def network_leftovers(namespace: str, host_if: str) -> list[str]:

@@ -11,7 +11,9 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import ipaddress
 import os
+import socket
 import struct
 import threading
 from collections.abc import Callable
@@ -171,6 +173,15 @@ def list_links(prefix: str) -> list[str]:
         with IPRoute() as ipr:
             return [link.get_attr("IFLA_IFNAME") for link in ipr.get_links()]
     return sorted(n for n in in_netns(None, names) if n and n.startswith(prefix))
+
+
+def host_addresses() -> list[ipaddress.IPv4Network]:
+    """The IPv4 addresses of the daemon's own namespace (the host's), each as a /32."""
+    def addrs() -> list[ipaddress.IPv4Network]:
+        with IPRoute() as ipr:
+            return [ipaddress.IPv4Network(a.get_attr("IFA_ADDRESS")) for a in ipr.get_addr(family=socket.AF_INET)
+                    if a.get_attr("IFA_ADDRESS")]
+    return sorted(set(in_netns(None, addrs)))
 
 
 def write_sysctl(path: str, value: str) -> None:

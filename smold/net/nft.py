@@ -16,18 +16,20 @@ NFT = "nft"
 NFT_TIMEOUT_S = 30.0
 
 
-def _run(namespace: str, args: list[str], stdin: str | None = None) -> str:
-    argv = ["nsenter", f"--net={netns_path(namespace)}", "--", NFT, *args]
+def _run(namespace: str | None, args: list[str], stdin: str | None = None) -> str:
+    """``nft ARGS`` in the namespace (None: the daemon's own, the host's)."""
+    argv = ["nsenter", f"--net={netns_path(namespace)}", "--", NFT, *args] if namespace is not None else [NFT, *args]
+    where = namespace or "the host's namespace"
     try:
         done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=NFT_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise NftError(f"{' '.join(argv[3:5])} in {namespace}: {e}") from None
+        raise NftError(f"nft {' '.join(args[:2])} in {where}: {e}") from None
     if done.returncode != 0:
-        raise NftError(f"nft {' '.join(args)} in {namespace} failed: {done.stderr.strip()[:2000]}")
+        raise NftError(f"nft {' '.join(args)} in {where} failed: {done.stderr.strip()[:2000]}")
     return done.stdout
 
 
-def apply(namespace: str, script: str) -> None:
+def apply(namespace: str | None, script: str) -> None:
     """Load an ``nft -f`` script (atomically: all of it or nothing)."""
     _run(namespace, ["-f", "-"], stdin=script)
 
@@ -43,12 +45,27 @@ def check(script: str) -> None:
         raise NftError(f"nft -c failed: {done.stderr.strip()[:2000]}")
 
 
-def add_elements(namespace: str, set_name: str, elements: list[str], table: str = TABLE) -> None:
+def add_elements(namespace: str | None, set_name: str, elements: list[str], table: str = TABLE) -> None:
     if elements:
         _run(namespace, ["add", "element", FAMILY, table, set_name, "{ " + ", ".join(elements) + " }"])
 
 
-def list_json(namespace: str, *what: str) -> list[dict[str, Any]]:
+def delete_elements(namespace: str | None, set_name: str, elements: list[str], table: str = TABLE) -> None:
+    if elements:
+        _run(namespace, ["delete", "element", FAMILY, table, set_name, "{ " + ", ".join(elements) + " }"])
+
+
+def set_elements(namespace: str | None, set_name: str, table: str = TABLE) -> list[Any]:
+    """The elements of a set as nft's JSON gives them (plain strings, or prefix/range objects)."""
+    for item in list_json(namespace, "set", FAMILY, table, set_name):
+        s = item.get("set")
+        if isinstance(s, dict):
+            elem = s.get("elem", [])
+            return list(elem) if isinstance(elem, list) else []
+    return []
+
+
+def list_json(namespace: str | None, *what: str) -> list[dict[str, Any]]:
     out = _run(namespace, ["-j", "list", *what])
     try:
         doc = json.loads(out)
@@ -58,7 +75,7 @@ def list_json(namespace: str, *what: str) -> list[dict[str, Any]]:
     return [i for i in items if isinstance(i, dict)]
 
 
-def table_exists(namespace: str, table: str = TABLE) -> bool:
+def table_exists(namespace: str | None, table: str = TABLE) -> bool:
     try:
         items = list_json(namespace, "tables")
     except NftError:
@@ -66,7 +83,7 @@ def table_exists(namespace: str, table: str = TABLE) -> bool:
     return any(i.get("table", {}).get("name") == table and i["table"].get("family") == FAMILY for i in items)
 
 
-def read_counters(namespace: str, table: str = TABLE) -> dict[str, int]:
+def read_counters(namespace: str | None, table: str = TABLE) -> dict[str, int]:
     """Packets per named counter of the table."""
     out: dict[str, int] = {}
     for item in list_json(namespace, "counters", "table", FAMILY, table):

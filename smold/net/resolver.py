@@ -1,9 +1,11 @@
-"""The per-VM DNS resolver: answers A queries for allowed names only, from host-side resolution.
+"""The per-VM DNS resolver: answers A queries for allowed names only (any name for a public policy), from
+host-side resolution.
 
 ``DnsPolicy`` decides (pure apart from the injected host lookup); ``DnsServer`` serves it over UDP and
 TCP (RFC 1035 4.2) on sockets bound to the gateway address inside the VM's namespace. Nothing is ever
-forwarded upstream: a name the Smolfile does not allow gets NXDOMAIN and is counted, so DNS cannot carry
-data out of the guest.
+forwarded upstream as the guest sent it: a name the Smolfile does not allow gets NXDOMAIN and is counted,
+so DNS cannot carry data out of the guest. A public policy, whose guest may reach any public address
+anyway, has every name looked up on the host.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ ANSWER_TTL = 30
 MAX_INFLIGHT = 64            # UDP queries being answered at once (more are dropped)
 MAX_TCP_CLIENTS = 16
 TCP_IDLE_S = 10.0
+MAX_OPEN_NAMES = 1024        # names a public policy's resolver keeps answers for (the oldest go first)
 
 Resolve = Callable[[str], Iterable[ipaddress.IPv4Address]]
 OnAddresses = Callable[[str, tuple[ipaddress.IPv4Address, ...]], Awaitable[None]]
@@ -59,8 +62,13 @@ class DnsPolicy:
     """Which names resolve, to what; counts what was denied."""
 
     def __init__(self, names: Mapping[str, Iterable[ipaddress.IPv4Address]], resolve: Resolve = resolve_on_host,
-                 on_addresses: OnAddresses | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 on_addresses: OnAddresses | None = None, clock: Callable[[], float] = time.monotonic,
+                 any_name: bool = False) -> None:
+        """``names``: the allowed names with their addresses so far; ``any_name`` (a public policy): every
+        other name is looked up on the host too (its addresses are not added to the allowed sets)."""
         self._clock = clock
+        self._any_name = any_name
+        self._open: dict[str, tuple[tuple[ipaddress.IPv4Address, ...], float]] = {}
         self._cache: dict[str, tuple[tuple[ipaddress.IPv4Address, ...], float]] = {
             normalize_name(n): (tuple(a), clock()) for n, a in names.items()}
         self._resolve = resolve
@@ -100,6 +108,24 @@ class DnsPolicy:
         self._cache[name] = (merged, self._clock())
         return fresh
 
+    async def _any_name_addresses(self, name: str) -> tuple[ipaddress.IPv4Address, ...] | None:
+        """A public policy's lookup of a name it does not list: its addresses (empty: it does not resolve),
+        or None when the host's lookup timed out."""
+        hit = self._open.get(name)
+        if hit is not None and self._clock() - hit[1] < REFRESH_S:
+            return hit[0]
+        try:
+            addrs = tuple(sorted(set(await asyncio.wait_for(asyncio.to_thread(self._resolve, name),
+                                                            RESOLVE_TIMEOUT_S))))
+        except (TimeoutError, OSError) as e:
+            log.info("resolving %s on the host failed (%s)", name, e)
+            return None
+        self._open.pop(name, None)
+        while len(self._open) >= MAX_OPEN_NAMES:
+            self._open.pop(next(iter(self._open)))
+        self._open[name] = (addrs, self._clock())
+        return addrs
+
     async def answer(self, msg: bytes, limit: int = dns.MAX_UDP) -> bytes | None:
         """The response to one message, or None to drop it (too short to answer, or itself a response)."""
         try:
@@ -122,9 +148,18 @@ class DnsPolicy:
             self.malformed += 1
             return dns.build_response(msg, query, dns.RCODE_FORMERR, limit=limit)
         name = normalize_name(q.name)
-        if name not in self._cache or q.qclass != dns.CLASS_IN:
+        if (name not in self._cache and not self._any_name) or q.qclass != dns.CLASS_IN:
             self._deny(name if q.qclass == dns.CLASS_IN else f"{name} (class {q.qclass})")
             return dns.build_response(msg, query, dns.RCODE_NXDOMAIN, limit=limit)
+        if name not in self._cache:  # a public policy: any name, as the host resolves it
+            found = await self._any_name_addresses(name)
+            if found is None:
+                return dns.build_response(msg, query, dns.RCODE_SERVFAIL, limit=limit)
+            if not found:
+                return dns.build_response(msg, query, dns.RCODE_NXDOMAIN, limit=limit)
+            if q.qtype not in (dns.TYPE_A, dns.TYPE_ANY):
+                return dns.build_response(msg, query, dns.RCODE_NOERROR, limit=limit)
+            return dns.build_response(msg, query, dns.RCODE_NOERROR, found, ttl=ANSWER_TTL, limit=limit)
         if q.qtype not in (dns.TYPE_A, dns.TYPE_ANY):
             return dns.build_response(msg, query, dns.RCODE_NOERROR, limit=limit)  # no data of that type
         addrs = await self._addresses(name)

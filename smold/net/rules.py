@@ -6,8 +6,10 @@ CIDR and port); the namespace itself accepts from the guest only DNS to the gate
 attempts are counted by named counters (one per dropping rule) and recorded in dynamic sets keyed by
 destination (``denied_l4``: address . protocol . port, ``denied_other``: address . protocol), each
 element with its own counter, so the report can say what the guest tried to reach. Guest traffic leaving
-through ``up0`` is masqueraded to the namespace's uplink address. Syntax: nft(8), "SETS", "COUNTER",
-"DYNAMIC SETS" ("add @set { ... }" from the packet path), "MASQUERADE".
+through ``up0`` is masqueraded to the namespace's uplink address. A public policy also accepts new guest
+connections to any IPv4 address outside ``blocked_v4`` (``NON_PUBLIC_V4`` and the machines' pool); allowed
+destinations are accepted before that set is looked at, so an allow entry opens a private range. Syntax:
+nft(8), "SETS", "COUNTER", "DYNAMIC SETS" ("add @set { ... }" from the packet path), "MASQUERADE".
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ SET_ALLOW = "allow_v4"
 SET_ALLOW_PORT = "allow_v4_port"
 SET_DENIED_L4 = "denied_l4"
 SET_DENIED_OTHER = "denied_other"
+SET_BLOCKED = "blocked_v4"
+
+# What a public policy never reaches unless an allow entry names it: this host's and other private networks,
+# loopback, link-local (169.254.169.254 is the cloud metadata service), shared address space (carrier NAT),
+# IETF protocol assignments, benchmarking, multicast, reserved and broadcast (RFC 6890 and its registry).
+NON_PUBLIC_V4 = tuple(ipaddress.IPv4Network(n) for n in (
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+    "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4"))
 
 
 @dataclass(frozen=True)
@@ -117,12 +127,22 @@ def port_element(net: ipaddress.IPv4Network, port: int) -> str:
     return f"{network_element(net)} . {port}"
 
 
+def blocked_networks(extra: Iterable[ipaddress.IPv4Network] = ()) -> tuple[ipaddress.IPv4Network, ...]:
+    """``NON_PUBLIC_V4`` and ``extra`` (the machines' pool), collapsed for an interval set."""
+    return tuple(ipaddress.collapse_addresses([*NON_PUBLIC_V4, *extra]))
+
+
 def build_ruleset(allowed: AllowedDestinations, *, gateway: ipaddress.IPv4Address,
                   guest: ipaddress.IPv4Address, guest_if: str = GUEST_IF, uplink_if: str = UPLINK_IF,
-                  table: str = TABLE) -> Ruleset:
-    """The ruleset for one VM namespace (see the module docstring)."""
+                  table: str = TABLE, public: bool = False,
+                  blocked: Iterable[ipaddress.IPv4Network] = ()) -> Ruleset:
+    """The ruleset for one VM namespace (see the module docstring). ``public``: also every IPv4 address
+    outside ``blocked_networks(blocked)``."""
     tcp_udp = "meta l4proto { tcp, udp }"
     g = f'iifname "{guest_if}"'
+    public_sets = (NftSet(SET_BLOCKED, ("ipv4_addr",), ("interval",),
+                          tuple(network_element(n) for n in blocked_networks(blocked))),) if public else ()
+    public_rules = (f"{g} ip daddr != @{SET_BLOCKED} counter name \"{COUNTER_ALLOWED}\" accept",) if public else ()
     sets = (
         NftSet(SET_ALLOW, ("ipv4_addr",), ("interval",), tuple(network_element(n) for n in allowed.networks)),
         NftSet(SET_ALLOW_PORT, ("ipv4_addr", "inet_service"), ("interval",),
@@ -130,12 +150,14 @@ def build_ruleset(allowed: AllowedDestinations, *, gateway: ipaddress.IPv4Addres
         NftSet(SET_DENIED_L4, ("ipv4_addr", "inet_proto", "inet_service"), ("dynamic",), size=DENIED_SET_SIZE,
                counter=True),
         NftSet(SET_DENIED_OTHER, ("ipv4_addr", "inet_proto"), ("dynamic",), size=DENIED_SET_SIZE, counter=True),
+        *public_sets,
     )
     forward = NftChain("forward", "filter", "forward", "filter", "drop", (
         "ct state established,related accept",
         f"{g} ip saddr != {guest} counter name \"{COUNTER_SPOOF}\" drop",
         f"{g} ip daddr @{SET_ALLOW} counter name \"{COUNTER_ALLOWED}\" accept",
         f"{g} {tcp_udp} ip daddr . th dport @{SET_ALLOW_PORT} counter name \"{COUNTER_ALLOWED}\" accept",
+        *public_rules,
         f"{g} {tcp_udp} add @{SET_DENIED_L4} {{ ip daddr . meta l4proto . th dport }}",
         f"{g} meta nfproto ipv4 meta l4proto != {{ tcp, udp }} add @{SET_DENIED_OTHER} {{ ip daddr . meta l4proto }}",
         f"{g} counter name \"{COUNTER_FORWARD}\" limit rate {LOG_RATE} log prefix \"smol-deny \" drop",
@@ -160,10 +182,37 @@ def build_ruleset(allowed: AllowedDestinations, *, gateway: ipaddress.IPv4Addres
     return Ruleset(FAMILY, table, COUNTERS, sets, (forward, input_, output, postrouting))
 
 
-def render(rs: Ruleset) -> str:
-    """The ruleset as an ``nft -f`` script that (re)creates the table atomically."""
-    out = [f"table {rs.family} {rs.table} {{}}", f"delete table {rs.family} {rs.table}",
-           f"table {rs.family} {rs.table} {{"]
+# The host's own table (in the daemon's namespace), shared by every machine of every daemon on the host:
+HOST_TABLE = "smol_host"
+SET_PUBLIC_UPLINKS = "public_uplinks"   # host ends (smh<hex>) of the uplinks of machines with a public policy
+SET_NAT_SOURCES = "nat_sources"         # the daemons' address pools: masqueraded when they leave the host
+COUNTER_HOST = "denied_host"            # new connections from a public machine to the host itself
+
+
+def build_host_ruleset(nat_sources: Iterable[ipaddress.IPv4Network], uplink_prefix: str) -> Ruleset:
+    """The host's table: traffic from the pools leaving the host is masqueraded (so allowed and public
+    destinations beyond it answer), and a machine with a public policy reaches none of the host's own
+    addresses (whatever they are; its namespace's rules already keep it off private ranges)."""
+    up = f"iifname @{SET_PUBLIC_UPLINKS}"
+    sets = (NftSet(SET_PUBLIC_UPLINKS, ("ifname",)),
+            NftSet(SET_NAT_SOURCES, ("ipv4_addr",), ("interval",),
+                   tuple(network_element(n) for n in ipaddress.collapse_addresses(nat_sources))))
+    input_ = NftChain("input", "filter", "input", "filter", "accept", (
+        f"{up} ct state established,related accept",
+        f"{up} counter name \"{COUNTER_HOST}\" drop",
+    ))
+    postrouting = NftChain("postrouting", "nat", "postrouting", "srcnat", "accept", (
+        f'ip saddr @{SET_NAT_SOURCES} oifname != "{uplink_prefix}*" masquerade',
+    ))
+    return Ruleset(FAMILY, HOST_TABLE, (COUNTER_HOST,), sets, (input_, postrouting))
+
+
+def render(rs: Ruleset, replace: bool = True) -> str:
+    """The ruleset as an ``nft -f`` script that (re)creates the table atomically (``replace``; else one that
+    creates it and fails if it exists)."""
+    head = ([f"table {rs.family} {rs.table} {{}}", f"delete table {rs.family} {rs.table}"] if replace
+            else [f"create table {rs.family} {rs.table}"])
+    out = [*head, f"table {rs.family} {rs.table} {{"]
     for name in rs.counters:
         out.append(f"\tcounter {name} {{ }}")
     for s in rs.sets:

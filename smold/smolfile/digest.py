@@ -61,6 +61,8 @@ def _network(smolfile: Smolfile) -> dict[str, Any]:
     out: dict[str, Any] = {"allow": [str(r) for r in smolfile.network.allow]}
     if smolfile.network.forward:  # absent when empty: digests of Smolfiles without forwards are unchanged
         out["forward"] = [str(f) for f in smolfile.network.forward]
+    if smolfile.network.public:  # likewise
+        out["public"] = True
     return out
 
 

@@ -85,15 +85,18 @@ class PortForward:
 
 @dataclass(frozen=True)
 class NetworkPolicy:
-    """Guest networking: off when allow and forward are empty, else a NIC that reaches only the listed
-    destinations, and that the listed host ports forward into."""
+    """Guest networking: off when allow and forward are empty and public is false, else a NIC that reaches
+    only the listed destinations (with ``public``: also every public IPv4 address, never the host, the
+    machines' pool, link-local, loopback or private ranges unless listed), and that the listed host ports
+    forward into."""
 
     allow: tuple[AllowRule, ...] = ()
     forward: tuple[PortForward, ...] = ()
+    public: bool = False
 
     @property
     def enabled(self) -> bool:
-        return bool(self.allow or self.forward)
+        return bool(self.allow or self.forward or self.public)
 
 
 @dataclass(frozen=True)

@@ -218,13 +218,19 @@ class _Parser:
         return mib
 
     def network(self, value: object, path: KeyPath) -> NetworkPolicy:
-        """"off", or {allow = [entries], forward = [entries]} with at least one entry in one of them."""
+        """"off", "public", or {public = bool, allow = [entries], forward = [entries]} with public true or at
+        least one entry in allow or forward."""
         if isinstance(value, str):
+            if value == "public":
+                return NetworkPolicy(public=True)
             if value != "off":
-                self.fail(path, f"must be \"off\" or a table {{allow = [...]}} (got '{value}')")
+                self.fail(path, f"must be \"off\", \"public\" or a table {{allow = [...]}} (got '{value}')")
             return NetworkPolicy()
-        t = self.table(value, path, ("allow", "forward"))
-        if "allow" not in t and "forward" not in t:
+        t = self.table(value, path, ("allow", "forward", "public"))
+        public = t.get("public", False)
+        if not isinstance(public, bool):
+            self.fail([*path, "public"], f"must be true or false, not {_type_name(public)}")
+        if "allow" not in t and "forward" not in t and not public:
             self.fail(path, "missing key 'allow'")
         rules: list[AllowRule] = []
         for i, entry in enumerate(self._entries(t, "allow", path)):
@@ -241,9 +247,9 @@ class _Parser:
                 if fwd.host_port and (other.host_address, other.host_port) == (fwd.host_address, fwd.host_port):
                     self.fail([*path, "forward", i], f"host {fwd.host_address}:{fwd.host_port} is already forwarded")
             forwards.append(fwd)
-        if not rules and not forwards:
+        if not rules and not forwards and not public:
             self.fail([*path, "allow"], "must not be empty (write network = \"off\" to disable networking)")
-        return NetworkPolicy(tuple(rules), tuple(forwards))
+        return NetworkPolicy(tuple(rules), tuple(forwards), public)
 
     def _entries(self, t: Mapping[str, Any], key: str, path: KeyPath) -> list[Any]:
         entries = t.get(key, [])

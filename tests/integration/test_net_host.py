@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from pyroute2 import IPRoute
 
-from smold.net import AddressPool, ForwardError, NetworkManager, netns
+from smold.net import AddressPool, ForwardError, NetworkManager, netns, nft
 from smold.net import dns as dnsmsg
 from smold.net.manager import GATEWAY, GUEST, host_if_name, namespace_name, network_leftovers
 from smold.smolfile.model import AllowRule, NetworkPolicy, PortForward
@@ -58,9 +58,11 @@ def _add_host(tag: str, name: str, subnet: str) -> tuple[str, str]:
     return root_if, str(net.network_address + 2)
 
 
-def _http_server(ns: str, addr: str, port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(["nsenter", f"--net={netns.netns_path(ns)}", "--", sys.executable, "-m", "http.server",
-                             "--bind", addr, str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _http_server(ns: str | None, addr: str, port: int) -> subprocess.Popen[bytes]:
+    """An HTTP server in namespace ns (None: the host's own)."""
+    enter = ["nsenter", f"--net={netns.netns_path(ns)}", "--"] if ns is not None else []
+    proc = subprocess.Popen([*enter, sys.executable, "-m", "http.server", "--bind", addr, str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:  # wait until it listens (probed from inside its namespace)
         def probe() -> bool:
@@ -270,3 +272,120 @@ async def test_port_forwards_reach_the_guest_survive_a_restart_and_go_with_the_n
     for port in (auto.host_port, fixed):
         assert await asyncio.to_thread(_http_get, "127.0.0.1", port) == "ConnectionRefusedError"
     assert network_leftovers(net.namespace, net.host_if) == []
+
+
+_PEER_ECHO = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen(8)
+while True:
+    c, peer = s.accept()
+    c.sendall(("HTTP/1.0 200 peer " + peer[0] + "\\r\\n").encode())
+    c.close()
+"""
+
+
+def _peer_seen_by(addr: str, port: int) -> str:
+    """The source address a peer-echo server at addr:port saw for our connection, or the error's name."""
+    try:
+        with socket.create_connection((addr, port), timeout=2) as s:
+            data = s.recv(128).decode()
+        return data.split()[3] if data.startswith("HTTP/1.0 200 peer ") else f"bad reply {data!r}"
+    except OSError as e:
+        return type(e).__name__
+
+
+@pytest.fixture
+def internet(world: dict[str, str]) -> Iterator[dict[str, str]]:
+    """Beside the world: an "internet" host (203.0.113.2, a server that echoes its peer's address), the
+    metadata address 169.254.169.254 (an HTTP server), and an HTTP server of the host itself on all its
+    addresses."""
+    tag = world["g"].split("-")[1]
+    names = {"i": f"smt-{tag}-i", "m": f"smt-{tag}-m"}
+    links: list[str] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        li, addr_i = _add_host(tag, names["i"], "203.0.113.0/24")
+        links.append(li)
+        lm, addr_m = _add_host(tag, names["m"], "169.254.169.252/30")
+        links.append(lm)
+        procs.append(subprocess.Popen(["nsenter", f"--net={netns.netns_path(names['i'])}", "--", sys.executable,
+                                       "-c", _PEER_ECHO, addr_i, str(HTTP_PORT)]))
+        procs += [_http_server(names["m"], addr_m, HTTP_PORT), _http_server(None, "0.0.0.0", OTHER_PORT)]
+        deadline = time.monotonic() + 20
+        while _peer_seen_by(addr_i, HTTP_PORT) != "203.0.113.1" and time.monotonic() < deadline:
+            time.sleep(0.1)   # until the echo server listens (seen from the host: its own address on that link)
+        yield {"addr_i": addr_i, "addr_m": addr_m, "link_i": li}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        for link in links:
+            with contextlib.suppress(Exception):
+                netns.delete_link(link)
+        for ns in names.values():
+            with contextlib.suppress(Exception):
+                netns.remove_namespace(ns)
+
+
+def _add_address(link: str, address: str) -> None:
+    with IPRoute() as ipr:
+        ipr.addr("add", index=ipr.link_lookup(ifname=link)[0], address=address, prefixlen=32)
+
+
+async def test_public_egress_reaches_the_internet_never_the_host_metadata_or_private_ranges(
+        world: dict[str, str], internet: dict[str, str]) -> None:
+    """network = "public": the guest reaches an "internet" host (203.0.113.0/24, masqueraded on the way out, so
+    its replies need no route back to the pool), resolves any name; it never reaches a private host, the
+    metadata address 169.254.169.254, or any address of the host itself (one added after the machine was set
+    up is caught by the host's table), unless an allow entry names the private destination."""
+    from smold.net.rules import HOST_TABLE, SET_PUBLIC_UPLINKS
+
+    addr_i, addr_m = internet["addr_i"], internet["addr_m"]
+    assert addr_m == "169.254.169.254"
+    late = "198.51.100.77"
+    hosts = {"www.internet.test": [ipaddress.IPv4Address(addr_i)]}
+    mgr = NetworkManager(AddressPool("10.214.7.0/24"), resolve=lambda n: hosts.get(n, []))
+    policy = NetworkPolicy((AllowRule("cidr", f"{world['addr_a']}/32", HTTP_PORT),), public=True)
+    mid = f"m-{secrets.token_hex(6)}"
+    net = await mgr.setup(mid, policy, guest_link="veth")
+    try:
+        _attach_fake_guest(net.namespace, world["g"])
+        members = await asyncio.to_thread(nft.set_elements, None, SET_PUBLIC_UPLINKS, HOST_TABLE)
+        assert net.host_if in members
+        # an address the host gains after the machine's rules were made
+        await asyncio.to_thread(_add_address, internet["link_i"], late)
+
+        async def as_guest(fn, *args):  # type: ignore[no-untyped-def]
+            return await asyncio.to_thread(netns.in_netns, world["g"], fn, *args)
+
+        # the internet: reached, and it sees the host's address, not the machine's pool
+        assert await as_guest(_peer_seen_by, addr_i, HTTP_PORT) == "203.0.113.1"
+        # private ranges: not reached, except the one the allow entry names (at its port only)
+        assert await as_guest(_http_get, world["addr_a"], HTTP_PORT) == "ok"
+        assert await as_guest(_http_get, world["addr_a"], OTHER_PORT) != "ok"
+        assert await as_guest(_http_get, world["addr_b"], HTTP_PORT) != "ok"
+        # the metadata service and the host itself: never
+        assert await as_guest(_http_get, addr_m, HTTP_PORT) != "ok"
+        for host_addr in ("203.0.113.1", "10.251.1.1", late, str(net.uplink.host)):
+            assert await asyncio.to_thread(_http_get, host_addr, OTHER_PORT) == "ok"   # it does serve
+            assert await as_guest(_http_get, host_addr, OTHER_PORT) != "ok", host_addr
+        # DNS: any name, as the host resolves it
+        ok = await as_guest(_dns, "WWW.internet.test")
+        assert ok.rcode == dnsmsg.RCODE_NOERROR and ok.addresses == (ipaddress.IPv4Address(addr_i),)
+        assert (await as_guest(_dns, "nowhere.test")).rcode == dnsmsg.RCODE_NXDOMAIN
+
+        report = await mgr.report(net)
+        denied = {(d.address, d.protocol, d.port) for d in report.denied}
+        assert {(world["addr_b"], "tcp", HTTP_PORT), (addr_m, "tcp", HTTP_PORT),
+                ("203.0.113.1", "tcp", OTHER_PORT)} <= denied
+        assert (late, "tcp", OTHER_PORT) not in denied   # it left the namespace: the host's table dropped it
+        host_counters = await asyncio.to_thread(nft.read_counters, None, HOST_TABLE)
+        assert host_counters["denied_host"] >= 1
+        assert report.denied_names == ()
+    finally:
+        await mgr.teardown(net)
+    assert network_leftovers(net.namespace, net.host_if) == []
+    assert net.host_if not in await asyncio.to_thread(nft.set_elements, None, SET_PUBLIC_UPLINKS, HOST_TABLE)

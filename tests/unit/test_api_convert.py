@@ -151,6 +151,14 @@ def test_inline_spec_is_validated_like_toml():
         convert.smolfile_from_spec_proto(pb.SmolfileSpec(network=pb.NetworkPolicy(allow=["10.0.0.1/8"])))
 
 
+def test_a_public_network_crosses_the_wire():
+    for text in ('network = "public"', 'network = {public = true, allow = ["10.1.2.3:80"], forward = ["8080"]}'):
+        s = parse_smolfile(text, base_dir=None)
+        spec = convert.smolfile_to_spec_proto(s)
+        assert spec.network.public
+        assert convert.smolfile_from_spec_proto(wire(spec)) == s
+
+
 def test_smolfile_message_toml_or_spec():
     toml = pb.Smolfile(toml=pb.SmolfileToml(text=FULL, base_dir="/srv/task", filename="t/Smolfile.toml"))
     from_toml = convert.smolfile_from_proto(wire(toml))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from smold.net import dns
 from smold.net.errors import DnsFormatError
-from smold.net.resolver import MAX_DENIED_NAMES, REFRESH_S, DnsPolicy, DnsServer
+from smold.net.resolver import MAX_DENIED_NAMES, MAX_OPEN_NAMES, REFRESH_S, DnsPolicy, DnsServer
 
 A = ipaddress.IPv4Address
 HOSTS = {"hosta.test": (A("10.251.1.2"),)}
@@ -161,6 +161,47 @@ def test_stale_names_are_resolved_again_and_new_addresses_allowed_first() -> Non
     now[0] = REFRESH_S + 1
     assert dns.parse_response(ask(p, dns.build_query("hosta.test")) or b"").addresses == (A("10.251.1.3"),)
     assert added == [("hosta.test", (A("10.251.1.3"),))]
+
+
+def test_a_public_policy_answers_any_name_as_the_host_resolves_it() -> None:
+    now = [0.0]
+    looked_up: list[str] = []
+    added: list[str] = []
+
+    def resolve(name: str) -> list[A]:
+        looked_up.append(name)
+        if name == "slow.test":
+            raise TimeoutError("the host's resolver did not answer")
+        return {"www.example.test": [A("203.0.113.7")], "meta.test": [A("169.254.169.254")]}.get(name, [])
+
+    async def on(name: str, addrs: tuple[A, ...]) -> None:
+        added.append(name)
+
+    p = DnsPolicy(HOSTS, resolve, on, clock=lambda: now[0], any_name=True)
+    r = dns.parse_response(ask(p, dns.build_query("WWW.Example.test.")) or b"")
+    assert (r.rcode, r.addresses) == (dns.RCODE_NOERROR, (A("203.0.113.7"),))
+    # an answer is not a permission: a private address resolves, and the namespace's rules still drop it
+    assert dns.parse_response(ask(p, dns.build_query("meta.test")) or b"").addresses == (A("169.254.169.254"),)
+    assert dns.parse_response(ask(p, dns.build_query("nowhere.test")) or b"").rcode == dns.RCODE_NXDOMAIN
+    assert dns.parse_response(ask(p, dns.build_query("slow.test")) or b"").rcode == dns.RCODE_SERVFAIL
+    aaaa = dns.parse_response(ask(p, dns.build_query("www.example.test", dns.TYPE_AAAA)) or b"")
+    assert (aaaa.rcode, aaaa.addresses) == (dns.RCODE_NOERROR, ())
+    # listed names keep their own path (their addresses go to the allowed sets first); nothing is denied
+    assert dns.parse_response(ask(p, dns.build_query("hosta.test")) or b"").addresses == HOSTS["hosta.test"]
+    assert added == [] and p.denied_queries == 0 and p.stats().denied == ()
+    looked_up.clear()
+    ask(p, dns.build_query("www.example.test"))
+    assert looked_up == []                      # answered from the cache
+    now[0] = REFRESH_S + 1
+    ask(p, dns.build_query("www.example.test"))
+    assert looked_up == ["www.example.test"]    # and looked up again once stale
+
+
+def test_a_public_policys_cache_is_bounded() -> None:
+    p = DnsPolicy({}, lambda n: [A("203.0.113.1")], any_name=True)
+    for i in range(MAX_OPEN_NAMES + 20):
+        ask(p, dns.build_query(f"n{i}.example.test"))
+    assert len(p._open) == MAX_OPEN_NAMES and "n0.example.test" not in p._open
 
 
 def test_server_answers_over_udp_and_tcp() -> None:

@@ -12,11 +12,15 @@ from smold.net import AddressPool, NetError, PoolExhaustedError
 from smold.net import nft as nftcmd
 from smold.net.manager import GATEWAY, GUEST, host_if_name, namespace_name, resolve_policy
 from smold.net.rules import (
+    COUNTER_ALLOWED,
     COUNTER_FORWARD,
     COUNTER_INPUT,
+    NON_PUBLIC_V4,
     SET_ALLOW,
     SET_ALLOW_PORT,
+    SET_BLOCKED,
     AllowedDestinations,
+    build_host_ruleset,
     build_ruleset,
     render,
 )
@@ -86,6 +90,44 @@ def test_rendered_ruleset_is_accepted_by_nft() -> None:
     allowed = AllowedDestinations.of([N("10.9.0.0/16"), N("203.0.113.9/32")], [(N("192.0.2.0/24"), 443),
                                                                               (N("198.51.100.1/32"), 53)])
     nftcmd.check(render(build_ruleset(allowed, gateway=GATEWAY, guest=GUEST)))
+
+
+def test_a_public_ruleset_accepts_what_is_not_blocked_after_the_allow_entries() -> None:
+    allowed = AllowedDestinations.of([N("10.9.0.0/16")], [])
+    rs = build_ruleset(allowed, gateway=GATEWAY, guest=GUEST, public=True,
+                       blocked=[N("10.213.0.0/16"), N("100.80.0.0/16"), N("198.51.100.1/32")])
+    fwd = rs.chain("forward").rules
+    public = f'iifname "tap0" ip daddr != @{SET_BLOCKED} counter name "{COUNTER_ALLOWED}" accept'
+    allow = 'iifname "tap0" ip daddr @allow_v4 counter name "allowed_forward" accept'
+    assert fwd.index(allow) < fwd.index(public) < next(i for i, r in enumerate(fwd) if "denied_l4" in r)
+    blocked = [N(e) for e in rs.set(SET_BLOCKED).elements]
+    for addr in ("169.254.169.254", "10.213.4.2", "127.0.0.1", "192.168.1.1", "172.20.0.1", "100.64.0.1",
+                 "224.0.0.251", "255.255.255.255", "198.51.100.1", "0.0.0.0"):
+        assert any(A(addr) in n for n in blocked), addr
+    for addr in ("203.0.113.7", "8.8.8.8", "198.51.100.2", "1.1.1.1"):
+        assert not any(A(addr) in n for n in blocked), addr
+    assert all(any(n.subnet_of(b) for b in blocked) for n in NON_PUBLIC_V4)
+    # without public: no blocked set and no accept-anything rule
+    plain = build_ruleset(allowed, gateway=GATEWAY, guest=GUEST)
+    assert SET_BLOCKED not in {s.name for s in plain.sets} and public not in plain.chain("forward").rules
+
+
+def test_the_host_table_masquerades_the_pool_and_drops_public_uplinks_to_the_host() -> None:
+    rs = build_host_ruleset([N("10.213.0.0/16")], "smh")
+    assert rs.set("nat_sources").elements == ("10.213.0.0/16",) and rs.set("public_uplinks").type == ("ifname",)
+    assert rs.chain("input").policy == "accept" and rs.chain("input").rules == (
+        "iifname @public_uplinks ct state established,related accept",
+        'iifname @public_uplinks counter name "denied_host" drop')
+    assert rs.chain("postrouting").rules == ('ip saddr @nat_sources oifname != "smh*" masquerade',)
+    text = render(rs, replace=False)
+    assert text.startswith("create table inet smol_host\ntable inet smol_host {\n")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("nft"), reason="nft -c needs root and nft")
+def test_public_and_host_rulesets_are_accepted_by_nft() -> None:
+    nftcmd.check(render(build_ruleset(AllowedDestinations.of([N("10.9.0.0/16")], [(N("192.168.3.4/32"), 80)]),
+                                      gateway=GATEWAY, guest=GUEST, public=True, blocked=[N("10.213.0.0/16")])))
+    nftcmd.check(render(build_host_ruleset([N("10.213.0.0/16"), N("10.214.0.0/24")], "smh"), replace=False))
 
 
 def test_denied_set_elements_are_read_from_nft_json() -> None:

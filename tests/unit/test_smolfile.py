@@ -314,8 +314,21 @@ def test_network_entry_errors(entry, reason):
     assert (e.key, e.reason) == ("[network].allow[1]", reason)
 
 
+def test_public_network():
+    s = parse('network = "public"')
+    assert s.network.enabled and s.network.public and s.network.allow == ()
+    s = parse('network = {public = true, allow = ["10.20.0.5:8080"], forward = ["80"]}')
+    assert s.network.public and [str(r) for r in s.network.allow] == ["10.20.0.5:8080"] and s.network.forward
+    assert not parse('network = {public = false, allow = ["pypi.org"]}').network.public
+    assert error("network = {public = false}").reason == "missing key 'allow'"
+    e = error('network = {public = "yes"}')
+    assert (e.key, e.reason) == ("[network].public", "must be true or false, not a string")
+    assert digest(parse('network = "public"')) == digest(parse("network = {public = true}"))
+    assert digest(parse('network = "public"')) != digest(parse('network = {allow = ["0.0.0.0/0"]}'))
+
+
 def test_network_policy_errors():
-    assert error('network = "on"').reason == "must be \"off\" or a table {allow = [...]} (got 'on')"
+    assert error('network = "on"').reason == "must be \"off\", \"public\" or a table {allow = [...]} (got 'on')"
     assert error("network = {allow = []}").reason == 'must not be empty (write network = "off" to disable networking)'
     assert error("network = {}").reason == "missing key 'allow'"
     e = error('network = {allow = ["PyPI.org", "pypi.org."]}')
