@@ -119,14 +119,19 @@ class SmolEnvironment(_Base):
     gives a machine with no NIC; ``allowlist`` becomes the Smolfile's ``network = { allow = [...] }``
     (host names, IPv4 addresses and CIDRs; the guest has no IPv6 and smol's resolver has no wildcards, so
     those entries are refused by Harbor's own check against ``capabilities``); ``public`` (Harbor's
-    default) is refused, because smol never gives a guest the whole internet, unless the run says
-    ``--environment-kwarg public_network=off``: then such tasks run with no network at all.
+    default) becomes ``network = "public"``: the internet, never the host, its neighbours, link-local
+    (cloud metadata) or private ranges (docs/networking.md, "Public egress"). An operator who wants no
+    internet passes ``--environment-kwarg public_network=refuse`` (such tasks are refused) or ``=off``
+    (they run with no network at all).
     """
 
-    def __init__(self, *args: Any, socket: str | None = None, public_network: str = "refuse",
+    PUBLIC_NETWORK = ("on", "refuse", "off")
+
+    def __init__(self, *args: Any, socket: str | None = None, public_network: str = "on",
                  **kwargs: Any) -> None:
-        if public_network not in ("refuse", "off"):
-            raise ValueError(f"smol environment: public_network must be 'refuse' or 'off', not {public_network!r}")
+        if public_network not in self.PUBLIC_NETWORK:
+            raise ValueError(f"smol environment: public_network must be one of {', '.join(self.PUBLIC_NETWORK)}, "
+                             f"not {public_network!r}")
         self._socket = socket
         self._public_network = public_network
         self._task: taskdir.Task | None = None
@@ -176,14 +181,14 @@ class SmolEnvironment(_Base):
 
     def _validate_network_policy_support(self) -> None:
         super()._validate_network_policy_support()
-        if self._public_network == "off":
+        if self._public_network != "refuse":
             return
         for mode, _ in self._policies():
             if mode == "public":
-                raise ValueError("network_mode='public' is not supported by the smol environment: a smol machine "
-                                 "never has the whole internet. Set network_mode = \"no-network\" or an "
-                                 "\"allowlist\" with allowed_hosts in task.toml's [environment], or pass "
-                                 "--environment-kwarg public_network=off to run such tasks with no network at all")
+                raise ValueError("network_mode='public' is refused by this run (--environment-kwarg "
+                                 "public_network=refuse). Set network_mode = \"no-network\" or an \"allowlist\" "
+                                 "with allowed_hosts in task.toml's [environment], or pass public_network=off to "
+                                 "run such tasks with no network at all")
 
     def smolfile_toml(self) -> str:
         """The Smolfile the machine is created from: the task's CPUs, memory and network policy."""
@@ -196,6 +201,8 @@ class SmolEnvironment(_Base):
         mode, hosts = self._policies()[0]
         if mode == "allowlist" and hosts:
             lines.append(f"network = {{ allow = [{', '.join(json.dumps(h) for h in hosts)}] }}")
+        elif mode == "public" and self._public_network == "on":
+            lines.append('network = "public"')
         return "\n".join([*lines, "[timeouts]", "boot = 900", ""])
 
     # --- lifecycle --------------------------------------------------------------------------------------------

@@ -54,6 +54,8 @@ class Task:
     solution_env: dict[str, str] = field(default_factory=dict)
     agent_user: str = ""                                    # "" : root (the image's default user)
     verifier_user: str = ""
+    network_mode: str = "public"                            # Harbor's [environment] network_mode (its default)
+    allowed_hosts: list[str] = field(default_factory=list)  # with network_mode = "allowlist"
 
 
 def _env(table: dict[str, Any], where: str) -> dict[str, str]:
@@ -94,6 +96,51 @@ def _number(table: dict[str, Any], key: str, default: float, where: str) -> floa
     return float(value)
 
 
+NETWORK_MODES = ("public", "no-network", "allowlist")
+
+
+def _network(env: dict[str, Any], agent: dict[str, Any], verifier: dict[str, Any],
+             where: str) -> tuple[str, list[str]]:
+    """Harbor's network policy of the task: [environment] network_mode (default "public") and allowed_hosts,
+    or the deprecated allow_internet; per-phase policies must equal it (smol cannot change a running
+    machine's policy yet)."""
+    legacy = env.get("allow_internet")
+    if legacy is not None and not isinstance(legacy, bool):
+        raise TaskError(f"{where}: [environment] allow_internet must be true or false (got {legacy!r})")
+    mode = env.get("network_mode")
+    if mode is None:
+        mode = "no-network" if legacy is False else "public"
+    elif mode not in NETWORK_MODES:
+        raise TaskError(f"{where}: [environment] network_mode must be one of {', '.join(NETWORK_MODES)} "
+                        f"(got {mode!r})")
+    elif legacy is not None and legacy != (mode == "public"):
+        raise TaskError(f"{where}: [environment] allow_internet = {str(legacy).lower()} contradicts "
+                        f"network_mode = {mode!r}; drop allow_internet (deprecated)")
+    hosts = _hosts(env, mode, f"{where}: [environment]")
+    for phase, table in (("agent", agent), ("verifier", verifier)):
+        if "network_mode" not in table and "allowed_hosts" not in table:
+            continue
+        phase_mode = table.get("network_mode")
+        if phase_mode not in NETWORK_MODES:
+            raise TaskError(f"{where}: [{phase}] network_mode must be one of {', '.join(NETWORK_MODES)} "
+                            f"(got {phase_mode!r})")
+        if (phase_mode, _hosts(table, phase_mode, f"{where}: [{phase}]")) != (mode, hosts):
+            raise TaskError(f"{where}: [{phase}] network_mode differs from [environment]'s: smol run-task cannot "
+                            "change a machine's network policy between phases yet")
+    return mode, hosts
+
+
+def _hosts(table: dict[str, Any], mode: str, where: str) -> list[str]:
+    hosts = table.get("allowed_hosts")
+    if hosts is None:
+        return []
+    if mode != "allowlist":
+        raise TaskError(f"{where} allowed_hosts is only valid when network_mode = \"allowlist\"")
+    if not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts):
+        raise TaskError(f"{where} allowed_hosts must be an array of strings")
+    return list(hosts)
+
+
 def load(path: Path) -> Task:
     """Read and check a task directory; TaskError says what smol cannot do with it."""
     if not path.is_dir():
@@ -121,9 +168,7 @@ def load(path: Path) -> Task:
         workdir = env.get("workdir")
         if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
             raise TaskError(f"{where}: [environment] workdir must be an absolute path (got {workdir!r})")
-        if env.get("allow_internet") is True or env.get("network"):
-            raise TaskError(f"{where}: [environment] asks for network access, which smol run-task does not "
-                            "support yet (tasks run with networking off)")
+        task.network_mode, task.allowed_hosts = _network(env, agent, verifier, where)
         if "cpus" in env:  # a fraction of a CPU (Docker's --cpus) rounds up: a machine has whole vCPUs
             task.cpus = math.ceil(_number(env, "cpus", 1, f"{where}: [environment]"))
         if "memory_mb" in env:

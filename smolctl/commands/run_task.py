@@ -153,6 +153,10 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
         sf.cpus = task.cpus
     if task.memory_mib is not None:
         sf.memory_mib = task.memory_mib
+    if task.network_mode == "public":        # Harbor's default: the internet, never the host (docs/networking.md)
+        sf.network.public = True
+    elif task.network_mode == "allowlist":   # no hosts: no network at all, as in Harbor
+        sf.network.allow.extend(task.allowed_hosts)
     name = f"task-{uuid.uuid4().hex[:12]}"
     started = time.monotonic()
     result: dict[str, Any] = {"task": task.name, "reward": None, "rewards": {}, "passed": False, "error": "",

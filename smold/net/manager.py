@@ -205,7 +205,8 @@ class NetworkManager:
         except BaseException:
             await self.teardown(net)
             raise
-        log.info("machine %s: network namespace %s, uplink %s", machine_id, net.namespace, uplink.network)
+        log.info("machine %s: network namespace %s, uplink %s%s", machine_id, net.namespace, uplink.network,
+                 " (public egress)" if resolved.public else "")
         return net
 
     async def adopt(self, machine_id: str, policy: NetworkPolicy, state_dir: Path) -> VmNetwork:

@@ -347,7 +347,7 @@ async def test_public_egress_reaches_the_internet_never_the_host_metadata_or_pri
     assert addr_m == "169.254.169.254"
     late = "198.51.100.77"
     hosts = {"www.internet.test": [ipaddress.IPv4Address(addr_i)]}
-    mgr = NetworkManager(AddressPool("10.214.7.0/24"), resolve=lambda n: hosts.get(n, []))
+    mgr = NetworkManager(AddressPool("10.214.8.0/24"), resolve=lambda n: hosts.get(n, []))
     policy = NetworkPolicy((AllowRule("cidr", f"{world['addr_a']}/32", HTTP_PORT),), public=True)
     mid = f"m-{secrets.token_hex(6)}"
     net = await mgr.setup(mid, policy, guest_link="veth")

@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.timeout(300),
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
-    with daemon_in_tempdir("hcli-", launcher="sandbox_launcher:TaskLauncher") as proc:
+    with daemon_in_tempdir("hcli-", "--net-pool", "10.214.11.0/24", launcher="sandbox_launcher:TaskLauncher") as proc:
         yield proc
 
 
@@ -97,13 +97,17 @@ def test_a_task_without_network_that_tries_to_use_it_fails(daemon: DaemonProcess
     assert machines(daemon) == []
 
 
-def test_public_network_is_refused_unless_the_run_turns_it_off(daemon: DaemonProcess, tmp_path: Path) -> None:
+def test_public_network_runs_public_unless_the_run_refuses_it_or_turns_it_off(daemon: DaemonProcess,
+                                                                             tmp_path: Path) -> None:
     task = write_task(tmp_path, "public", "echo $EXPECTED > answer.txt\n")   # Harbor's default: public
-    r, _ = trial(daemon, task, tmp_path / "t")
+    r, result = trial(daemon, task, tmp_path / "t")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert reward(result) == 1.0
+    r, _ = trial(daemon, task, tmp_path / "t2", "--environment-kwarg", "public_network=refuse")
     said = " ".join((r.stdout + r.stderr).split())
-    assert r.returncode != 0 and "network_mode='public' is not supported by the smol environment" in said, said
+    assert r.returncode != 0 and "network_mode='public' is refused by this run" in said, said
     assert machines(daemon) == []    # refused before any machine was created
-    r, result = trial(daemon, task, tmp_path / "t", "--environment-kwarg", "public_network=off")
+    r, result = trial(daemon, task, tmp_path / "t3", "--environment-kwarg", "public_network=off")
     assert r.returncode == 0, r.stdout + r.stderr
     assert reward(result) == 1.0
 
@@ -119,7 +123,11 @@ def make(**policy):
                            network_policy=NetworkPolicy(**policy))
 out = {"allow": make(network_mode=NetworkMode.ALLOWLIST,
                      allowed_hosts=["example.org", "192.0.2.7", "10.0.0.0/8"]).smolfile_toml(),
-       "off": make(network_mode=NetworkMode.NO_NETWORK).smolfile_toml()}
+       "off": make(network_mode=NetworkMode.NO_NETWORK).smolfile_toml(),
+       "public": make(network_mode=NetworkMode.PUBLIC).smolfile_toml(),
+       "public, off": SmolEnvironment(env_dir, "t", "t__1", None, EnvironmentConfig(cpus=2, memory_mb=768),
+                                      network_policy=NetworkPolicy(network_mode=NetworkMode.PUBLIC),
+                                      public_network="off").smolfile_toml()}
 for hosts in (["*.example.org"], ["2001:db8::1"]):
     try:
         make(network_mode=NetworkMode.ALLOWLIST, allowed_hosts=hosts)
@@ -140,5 +148,7 @@ def test_network_policies_become_the_smolfile_or_are_refused_by_harbor(daemon: D
     assert out["allow"] == ('cpus = 2\nmemory = "768M"\nnetwork = { allow = ["example.org", "192.0.2.7", '
                             '"10.0.0.0/8"] }\n[timeouts]\nboot = 900\n')
     assert out["off"] == 'cpus = 2\nmemory = "768M"\n[timeouts]\nboot = 900\n'     # no NIC at all
+    assert out["public"] == 'cpus = 2\nmemory = "768M"\nnetwork = "public"\n[timeouts]\nboot = 900\n'
+    assert out["public, off"] == out["off"]
     assert "wildcard hostnames is not supported" in out["*.example.org"]
     assert "IPv6 addresses is not supported" in out["2001:db8::1"]

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.timeout(120),
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
-    with daemon_in_tempdir("harb-", launcher="sandbox_launcher:TaskLauncher") as proc:
+    with daemon_in_tempdir("harb-", "--net-pool", "10.214.12.0/24", launcher="sandbox_launcher:TaskLauncher") as proc:
         yield proc
 
 
@@ -92,10 +92,17 @@ async def test_exec_files_and_capabilities(daemon: DaemonProcess, tmp_path: Path
         await env.stop(delete=True)
 
 
-def test_refuses_internet_and_unsupported_dockerfiles(daemon: DaemonProcess, tmp_path: Path) -> None:
+def test_internet_is_public_unless_refused_and_unsupported_dockerfiles_are_refused(daemon: DaemonProcess,
+                                                                                  tmp_path: Path) -> None:
     task = write_task(tmp_path, "inet", "true\n")
-    with pytest.raises(ValueError, match="network_mode='public' is not supported"):
-        make_env(daemon, task, allow_internet=True)
+    assert 'network = "public"' in make_env(daemon, task, allow_internet=True).smolfile_toml()
+    assert "network" not in make_env(daemon, task).smolfile_toml()
+    with pytest.raises(ValueError, match="network_mode='public' is refused by this run"):
+        SmolEnvironment(task / "environment", task.name, f"{task.name}__1", None, env_config(allow_internet=True),
+                        socket=str(daemon.socket), public_network="refuse")
+    with pytest.raises(ValueError, match="public_network must be one of on, refuse, off"):
+        SmolEnvironment(task / "environment", task.name, f"{task.name}__1", None, env_config(),
+                        socket=str(daemon.socket), public_network="yes")
     bad = write_task(tmp_path, "add", "true\n", dockerfile="FROM debian\nADD http://x/y /y\n")
     with pytest.raises(ValueError, match="ADD is not supported"):
         make_env(daemon, bad)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ else echo 0 > /logs/verifier/reward.txt; fi
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
-    with daemon_in_tempdir("rtask-", launcher="sandbox_launcher:TaskLauncher") as proc:
+    with daemon_in_tempdir("rtask-", "--net-pool", "10.214.13.0/24", launcher="sandbox_launcher:TaskLauncher") as proc:
         yield proc
 
 
@@ -61,6 +62,9 @@ def test_passing_oracle(daemon: DaemonProcess, tmp_path: Path) -> None:
     code, out = run_task(daemon, task)
     assert (code, out["reward"], out["passed"], out["error"]) == (0, 1.0, True, "")
     assert [s["name"].split(":")[0] for s in out["steps"]] == ["environment", "agent", "verifier"]
+    # Harbor's default network mode, public: the machine had its own namespace with public egress
+    assert re.search(rf"machine {out['machine_id']}: network namespace \S+, uplink \S+ \(public egress\)",
+                     daemon.log.read_text(errors="replace")), daemon.log_text()
     human = daemon.smolctl("run-task", str(task))
     assert human.returncode == 0 and b"PASS  pass  reward 1" in human.stdout
 
@@ -74,9 +78,10 @@ def test_failing_oracle(daemon: DaemonProcess, tmp_path: Path) -> None:
 def test_network_is_off(daemon: DaemonProcess, tmp_path: Path) -> None:
     solve = ("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 80), timeout=5)\" "
              "&& echo $EXPECTED > answer.txt\n")
-    code, out = run_task(daemon, write_task(tmp_path, "net", solve))
+    code, out = run_task(daemon, write_task(tmp_path, "net", solve, toml='[environment]\nnetwork_mode = "no-network"\n'))
     assert (code, out["reward"]) == (1, 0.0)
     assert "Network is unreachable" in out["steps"][-2]["output_tail"]
+    assert f"machine {out['machine_id']}: network namespace" not in daemon.log.read_text(errors="replace")
 
 
 def test_reward_json_copy_env_and_run_steps(daemon: DaemonProcess, tmp_path: Path) -> None:
@@ -169,10 +174,32 @@ def test_docker_image_is_booted_and_the_dockerfile_left_alone(tmp_path: Path) ->
         taskdir.load(bad)
 
 
+def test_network_policies_follow_harbors_task_spec(tmp_path: Path) -> None:
+    def load(toml: str) -> tuple[str, list[str]]:
+        task = write_task(tmp_path, f"n{len(list(tmp_path.iterdir()))}", "true\n")
+        (task / "task.toml").write_text(toml)
+        t = taskdir.load(task)
+        return t.network_mode, t.allowed_hosts
+
+    assert load("") == ("public", [])                                         # Harbor's default
+    assert load("[environment]\nallow_internet = true\n") == ("public", [])    # deprecated, still honoured
+    assert load("[environment]\nallow_internet = false\n") == ("no-network", [])
+    assert load('[environment]\nnetwork_mode = "no-network"\n') == ("no-network", [])
+    assert load('[environment]\nnetwork_mode = "allowlist"\nallowed_hosts = ["example.org", "10.0.0.0/8"]\n'
+                '[verifier]\nnetwork_mode = "allowlist"\nallowed_hosts = ["example.org", "10.0.0.0/8"]\n') == (
+        "allowlist", ["example.org", "10.0.0.0/8"])
+    for toml, why in (
+            ('[environment]\nnetwork_mode = "internet"\n', "network_mode must be one of public, no-network, allowlist"),
+            ('[environment]\nnetwork_mode = "public"\nallowed_hosts = ["a.org"]\n', "allowed_hosts is only valid"),
+            ('[environment]\nnetwork_mode = "allowlist"\nallowed_hosts = "a.org"\n', "must be an array of strings"),
+            ('[environment]\nnetwork_mode = "no-network"\nallow_internet = true\n', "contradicts"),
+            ("[environment]\nallow_internet = 1\n", "allow_internet must be true or false"),
+            ('[agent]\nnetwork_mode = "no-network"\n', "[agent] network_mode differs from [environment]'s")):
+        with pytest.raises(taskdir.TaskError, match=re.escape(why)):
+            load(toml)
+
+
 def test_refusals(daemon: DaemonProcess, tmp_path: Path) -> None:
-    net = write_task(tmp_path, "wantsnet", "true\n", toml="[environment]\nallow_internet = true\n")
-    res = daemon.smolctl("run-task", str(net))
-    assert res.returncode == 2 and b"network access" in res.stderr
     user = write_task(tmp_path, "user", "true\n", dockerfile="FROM debian\nUSER nobody\n")
     res = daemon.smolctl("run-task", str(user))
     assert res.returncode == 2 and b"Dockerfile:2: USER is not supported" in res.stderr
