@@ -188,13 +188,14 @@ class NetworkManager:
         resolved = await asyncio.to_thread(resolve_policy, policy, self.resolve)
         for r in resolved.ignored:
             log.warning("machine %s: allow rule %s ignored (the guest has IPv4 only)", machine_id, r)
-        uplink = self.pool.allocate(machine_id)
+        host_now = await asyncio.to_thread(netns.host_addresses)
+        uplink = self.pool.allocate(machine_id, (n.network_address for n in host_now))
         net = VmNetwork(machine_id, namespace_name(machine_id), host_if_name(machine_id), uplink, resolved,
                         guest_link)
         self.networks[machine_id] = net
         try:
             await asyncio.to_thread(self._create_links, net)
-            await asyncio.to_thread(nft.apply, net.namespace, render(self.ruleset(net)))
+            await asyncio.to_thread(nft.apply, net.namespace, render(self.ruleset(net, host_now)))
             await asyncio.to_thread(self._host_rules, net)
             await self._start_dns(net)
             if policy.forward:
@@ -244,8 +245,9 @@ class NetworkManager:
                 net.forwarder = forwarder
         return net
 
-    def ruleset(self, net: VmNetwork):  # type: ignore[no-untyped-def]
-        blocked = [self.pool.network, *netns.host_addresses()] if net.resolved.public else []
+    def ruleset(self, net: VmNetwork, host_addresses: Iterable[ipaddress.IPv4Network] = ()):  # type: ignore[no-untyped-def]
+        """The namespace's ruleset; a public one also blocks the pool and ``host_addresses``."""
+        blocked = [self.pool.network, *host_addresses] if net.resolved.public else []
         return build_ruleset(net.allowed, gateway=GATEWAY, guest=GUEST, public=net.resolved.public, blocked=blocked)
 
     def _host_rules(self, net: VmNetwork) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import NetError, PoolExhaustedError
@@ -50,12 +51,17 @@ class AddressPool:
         base = self.network.network_address + 4 * index
         return Uplink(index, ipaddress.IPv4Network((base, 30)))
 
-    def allocate(self, owner: str) -> Uplink:
-        """The lowest free /30, now owned by ``owner`` (a machine id)."""
+    def allocate(self, owner: str, in_use: Iterable[ipaddress.IPv4Address] = ()) -> Uplink:
+        """The lowest free /30, now owned by ``owner`` (a machine id). ``in_use``: addresses the host already
+        has (another daemon's machines on the same pool): a /30 holding one of them is skipped."""
+        taken = set(in_use)
         for index in range(self.size):
             if index not in self._used:
+                uplink = self.uplink(index)
+                if uplink.host in taken or uplink.inner in taken:
+                    continue
                 self._used[index] = owner
-                return self.uplink(index)
+                return uplink
         raise PoolExhaustedError(f"address pool {self.network} is exhausted ({self.size} machines have a network)")
 
     def reserve(self, index: int, owner: str) -> Uplink:

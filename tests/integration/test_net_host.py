@@ -297,27 +297,27 @@ def _peer_seen_by(addr: str, port: int) -> str:
         return type(e).__name__
 
 
-@pytest.fixture
-def internet(world: dict[str, str]) -> Iterator[dict[str, str]]:
-    """Beside the world: an "internet" host (203.0.113.2, a server that echoes its peer's address), the
-    metadata address 169.254.169.254 (an HTTP server), and an HTTP server of the host itself on all its
-    addresses."""
-    tag = world["g"].split("-")[1]
+@contextlib.contextmanager
+def internet_hosts(tag: str, internet: str, metadata: str, host_port: int) -> Iterator[dict[str, str]]:
+    """An "internet" host (.2 of the subnet ``internet``, a server on HTTP_PORT that echoes its peer's
+    address), a link-local host (.2 of ``metadata``, an HTTP server on HTTP_PORT), and an HTTP server of the
+    host itself on all its addresses at ``host_port``."""
     names = {"i": f"smt-{tag}-i", "m": f"smt-{tag}-m"}
     links: list[str] = []
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        li, addr_i = _add_host(tag, names["i"], "203.0.113.0/24")
+        li, addr_i = _add_host(tag, names["i"], internet)
         links.append(li)
-        lm, addr_m = _add_host(tag, names["m"], "169.254.169.252/30")
+        lm, addr_m = _add_host(tag, names["m"], metadata)
         links.append(lm)
         procs.append(subprocess.Popen(["nsenter", f"--net={netns.netns_path(names['i'])}", "--", sys.executable,
                                        "-c", _PEER_ECHO, addr_i, str(HTTP_PORT)]))
-        procs += [_http_server(names["m"], addr_m, HTTP_PORT), _http_server(None, "0.0.0.0", OTHER_PORT)]
+        procs += [_http_server(names["m"], addr_m, HTTP_PORT), _http_server(None, "0.0.0.0", host_port)]
+        host_i = str(ipaddress.IPv4Network(internet).network_address + 1)
         deadline = time.monotonic() + 20
-        while _peer_seen_by(addr_i, HTTP_PORT) != "203.0.113.1" and time.monotonic() < deadline:
+        while _peer_seen_by(addr_i, HTTP_PORT) != host_i and time.monotonic() < deadline:
             time.sleep(0.1)   # until the echo server listens (seen from the host: its own address on that link)
-        yield {"addr_i": addr_i, "addr_m": addr_m, "link_i": li}
+        yield {"addr_i": addr_i, "addr_m": addr_m, "link_i": li, "host_i": host_i}
     finally:
         for p in procs:
             p.kill()
@@ -330,6 +330,13 @@ def internet(world: dict[str, str]) -> Iterator[dict[str, str]]:
                 netns.remove_namespace(ns)
 
 
+@pytest.fixture
+def internet(world: dict[str, str]) -> Iterator[dict[str, str]]:
+    """Beside the world: internet_hosts at 203.0.113.0/24, 169.254.10.0/30 and the host's port OTHER_PORT."""
+    with internet_hosts(world["g"].split("-")[1], "203.0.113.0/24", "169.254.10.0/30", OTHER_PORT) as hosts:
+        yield hosts
+
+
 def _add_address(link: str, address: str) -> None:
     with IPRoute() as ipr:
         ipr.addr("add", index=ipr.link_lookup(ifname=link)[0], address=address, prefixlen=32)
@@ -339,13 +346,13 @@ async def test_public_egress_reaches_the_internet_never_the_host_metadata_or_pri
         world: dict[str, str], internet: dict[str, str]) -> None:
     """network = "public": the guest reaches an "internet" host (203.0.113.0/24, masqueraded on the way out, so
     its replies need no route back to the pool), resolves any name; it never reaches a private host, the
-    metadata address 169.254.169.254, or any address of the host itself (one added after the machine was set
-    up is caught by the host's table), unless an allow entry names the private destination."""
+    link-local range (cloud metadata), or any address of the host itself (one added after the machine was set
+    up is caught by the host's table), unless an allow entry names the private destination. (The real
+    169.254.169.254 is tests/integration/test_run_task_vm.py's, on a real VM.)"""
     from smold.net.rules import HOST_TABLE, SET_PUBLIC_UPLINKS
 
     addr_i, addr_m = internet["addr_i"], internet["addr_m"]
-    assert addr_m == "169.254.169.254"
-    late = "198.51.100.77"
+    late = "203.0.113.77"
     hosts = {"www.internet.test": [ipaddress.IPv4Address(addr_i)]}
     mgr = NetworkManager(AddressPool("10.214.8.0/24"), resolve=lambda n: hosts.get(n, []))
     policy = NetworkPolicy((AllowRule("cidr", f"{world['addr_a']}/32", HTTP_PORT),), public=True)

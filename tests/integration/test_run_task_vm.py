@@ -3,6 +3,7 @@ smol.harbor_env.SmolEnvironment (one boot; Harbor runs in $SMOL_HARBOR_PYTHON, s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,24 +23,59 @@ pytestmark = [pytest.mark.kvm, pytest.mark.linux, pytest.mark.timeout(1800)]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_run_task import write_task  # noqa: E402
 
+# The task's tests: the answer, and the network as a public task must see it (one line of results on stdout).
+NET_TEST = r"""#!/bin/bash
+python3 - "$@" <<'PROBE'
+import socket
+def get(addr, port):
+    try:
+        with socket.create_connection((addr, port), timeout=3) as s:
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            return s.recv(64).decode(errors="replace").strip().replace(" ", "_") or "empty"
+    except OSError as e:
+        return type(e).__name__
+answer = open("/app/answer.txt").read().strip()
+seen = [get("@INTERNET@", 8080), get("169.254.169.254", 8080), get("@HOST_I@", @HOST_PORT@),
+        get("10.214.20.1", @HOST_PORT@)]
+print("probe:", answer, *seen)
+ok = (answer == "42" and seen[0] == "HTTP/1.0_200_peer_@HOST_I@"
+      and not any(x.startswith("HTTP") for x in seen[1:]))
+open("/logs/verifier/reward.txt", "w").write("1" if ok else "0")
+PROBE
+"""
+HOST_PORT = 9191
+
 
 def test_run_task_on_a_vm() -> None:
+    """A task with allow_internet = true (public) on a real VM: its tests reach the test "internet" (an echo
+    server at 198.51.100.2, which sees the host's address: the daemon's masquerade), while the link-local
+    metadata address 169.254.169.254 and the host's own HTTP server (on its address on that link and on the
+    machine's uplink) stay unreachable."""
+    from test_net_host import internet_hosts
+
     d = Path(tempfile.mkdtemp(prefix="smrt-", dir="/tmp"))
-    daemon = Daemon(d).start()
+    hosts = contextlib.ExitStack()
+    daemon = Daemon(d, "--net-pool", "10.214.20.0/28").start()   # its machine's uplink: host end 10.214.20.1
     try:
-        task = write_task(d, "vm-pass", "echo $EXPECTED > answer.txt\n",
+        net = hosts.enter_context(internet_hosts(d.name[-4:], "198.51.100.0/24", "169.254.169.252/30", HOST_PORT))
+        assert net["addr_m"] == "169.254.169.254"
+        test = (NET_TEST.replace("@INTERNET@", net["addr_i"]).replace("@HOST_I@", net["host_i"])
+                .replace("@HOST_PORT@", str(HOST_PORT)))
+        task = write_task(d, "vm-pass", "echo $EXPECTED > answer.txt\n", test=test,
                           dockerfile="FROM debian:bookworm\nWORKDIR /app\nENV EXPECTED=42\nCOPY seed.txt /app/\n",
                           files={"seed.txt": "seed\n"})
         (task / "task.toml").write_text("[agent]\ntimeout_sec = 300.0\n[verifier]\ntimeout_sec = 300.0\n"
-                                        f"[environment]\nmemory_mb = 512\ncpus = {VM_CPUS}\n")
+                                        f"[environment]\nmemory_mb = 512\ncpus = {VM_CPUS}\nallow_internet = true\n")
         t0 = time.monotonic()
         res = daemon.smolctl("run-task", str(task), "--json")
         assert res.stdout.strip(), f"run-task printed nothing (exit {res.returncode}): {res.stderr.decode()[-3000:]}"
         out = json.loads(res.stdout)
         print(f"\nrun-task on a VM: {time.monotonic() - t0:.1f}s; steps: "
               + ", ".join(f"{s['name']} {s['duration_s']}s" for s in out["steps"]))
-        assert res.returncode == 0 and out["reward"] == 1.0, res.stdout.decode() + res.stderr.decode()
+        probe = [line for s in out["steps"] for line in s.get("output_tail", "").splitlines() if "probe:" in line]
+        assert res.returncode == 0 and out["reward"] == 1.0, (probe, res.stdout.decode() + res.stderr.decode())
     finally:
+        hosts.close()
         daemon.terminate()
         for pid in vmm_processes(d):
             os.kill(pid, signal.SIGKILL)
