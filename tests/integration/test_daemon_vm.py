@@ -292,6 +292,17 @@ def test_kill_9_restart_readopt_and_destroy(daemon: Daemon, workdir: Path) -> No
     finally:
         run.kill()
 
+    # a detached Run: its client leaves at once, with the id; the verdict is fetched later by that id
+    (task / "Smolfile.toml").write_text(VM_SMOLFILE.replace('memory = "512M"\n', 'memory = "512M"\n'
+                                                            'task = "echo hello > /root/hello.txt"\n'))
+    r = daemon.smolctl("run", "--detach", "--label", "case=detached", str(task))
+    assert r.returncode == 0, r.stderr
+    rid = r.stdout.decode().strip()
+    assert rid.startswith("r-"), r.stdout
+    r = daemon.smolctl("results", rid, "--wait", "900")
+    assert r.returncode == 0 and f"{rid}  run  PASS" in r.stdout.decode(), (r.stdout, r.stderr)
+    assert daemon.smolctl("ls", "-q").stdout == b""
+
 
 SEALED_SMOLFILE = f"""
 image = "default"
