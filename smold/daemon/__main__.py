@@ -75,6 +75,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--jail-gid", type=int, default=64000, help="gid of jailed VM processes (64000)")
     ap.add_argument("--net-pool", default="10.213.0.0/16", metavar="CIDR",
                     help="IPv4 pool of the per-machine /30 uplinks of networked machines (10.213.0.0/16)")
+    ap.add_argument("--no-public-network", dest="public_network", action="store_false",
+                    help="refuse machines whose Smolfile asks for network = \"public\" (allowlists still work)")
     ap.add_argument("--bakes-dir", type=Path, metavar="DIR",
                     help="the bake store (STATE_DIR/bakes); daemons on one host may share one")
     ap.add_argument("--no-auto-bake", dest="auto_bake", action="store_false",
@@ -98,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         token_file=args.token_file and args.token_file.absolute(), vmm_seccomp=args.vmm_seccomp,
         mount_roots=tuple(p.absolute() for p in args.mount_root), max_concurrent_calls=args.max_concurrent_calls,
         jail=args.jail, jail_uid=args.jail_uid, jail_gid=args.jail_gid, net_pool=args.net_pool,
+        public_network=args.public_network,
         bakes_path=args.bakes_dir and args.bakes_dir.absolute(), auto_bake=args.auto_bake)
 
 

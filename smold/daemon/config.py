@@ -64,6 +64,7 @@ class DaemonConfig:
     jail_uid: int = 64000  # the jailed VMM's uid and gid (must not be 0)
     jail_gid: int = 64000
     net_pool: str = "10.213.0.0/16"  # per-machine /30 uplinks of networked machines (docs/networking.md)
+    public_network: bool = True  # machines may ask for network = "public" (--no-public-network refuses them)
     bakes_path: Path | None = None  # the bake store (--bakes-dir); None: STATE_DIR/bakes
     auto_bake: bool = True  # a machine that had to boot is baked as its image's base before mounts and setup
 

@@ -92,6 +92,7 @@ from .errors import (
     LimitExceededError,
     MachineNotFoundError,
     NameTakenError,
+    RefusedByPolicyError,
     ShuttingDownError,
     Status,
     WrongPhaseError,
@@ -469,6 +470,9 @@ class Controller:
                 raise NameTakenError(f"a machine named {name!r} already exists")
         if self._closing:
             raise ShuttingDownError("the daemon is shutting down")
+        if smolfile.network.public and not self.config.public_network:
+            raise RefusedByPolicyError('network = "public": this daemon gives no machine public egress '
+                                       "(smold --no-public-network); list the destinations in network.allow instead")
         live = [m for m in self._machines.values() if m.phase in LIVE]
         if len(live) >= self.config.max_machines:
             raise LimitExceededError(f"machine limit reached: {len(live)} of {self.config.max_machines} "

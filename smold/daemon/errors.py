@@ -94,6 +94,12 @@ class LimitExceededError(DaemonError):
     status = Status.RESOURCE_EXHAUSTED
 
 
+class RefusedByPolicyError(DaemonError):
+    """The daemon's operator has turned off what the request asks for (--no-public-network)."""
+
+    status = Status.FAILED_PRECONDITION
+
+
 class UnsupportedError(DaemonError):
     """The request asks for something this daemon does not implement (yet): networking."""
 

@@ -173,3 +173,27 @@ async def test_port_forwards_are_reported_conflicts_refused_and_closed_on_destro
         with pytest.raises(ConnectionRefusedError):
             await asyncio.to_thread(connect_and_read, port)
     assert [x for x in netns.list_namespaces() if x == namespace_name(m.id)] == []
+
+
+@pytest.mark.parametrize("env", [{"net_pool": "10.214.9.0/24"}], indirect=True)
+async def test_a_public_machine_has_its_uplink_in_the_hosts_table_until_destroyed(env: Env) -> None:
+    from smold.net import nft
+    from smold.net.rules import HOST_TABLE, SET_PUBLIC_UPLINKS
+    m = await create(env, spec(network=pb.NetworkPolicy(public=True)))
+    assert host_if_name(m.id) in nft.set_elements(None, SET_PUBLIC_UPLINKS, HOST_TABLE)
+    got = (await env.stub.GetMachine(pb.GetMachineRequest(machine_id=m.id))).machine
+    assert got.HasField("network")
+    await env.stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))
+    assert host_if_name(m.id) not in nft.set_elements(None, SET_PUBLIC_UPLINKS, HOST_TABLE)
+    assert network_leftovers(namespace_name(m.id), host_if_name(m.id)) == []
+
+
+@pytest.mark.parametrize("env", [{"net_pool": "10.214.10.0/24", "public_network": False}], indirect=True)
+async def test_a_daemon_without_public_network_refuses_public_machines(env: Env) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await create(env, spec(network=pb.NetworkPolicy(public=True)))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "smold --no-public-network" in (e.value.details() or "")
+    assert (await env.stub.ListMachines(pb.ListMachinesRequest())).machines == []   # nothing was made
+    m = await create(env, spec(network=pb.NetworkPolicy(allow=["10.251.9.0/24"])))   # an allowlist still works
+    await env.stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))

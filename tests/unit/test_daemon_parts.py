@@ -173,6 +173,8 @@ def test_bake_store_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
                                                    "--no-auto-bake"]))
     assert not shared.auto_bake and shared.bakes_dir == tmp_path / "shared"
     shared.validate()
+    assert plain.public_network
+    assert not config_from_args(parser().parse_args(["--state-dir", str(tmp_path), "--no-public-network"])).public_network
 
 
 def test_run_result_and_machine_conversions() -> None:
