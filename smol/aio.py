@@ -127,6 +127,14 @@ class AsyncClient:
         except NotFoundError:
             pass
 
+    async def set_network_policy(self, machine_id: str, *, allow: Sequence[str] = (),
+                                 public: bool = False) -> MachineInfo:
+        """As Client.set_network_policy."""
+        resp = await self._call(self._stub.SetNetworkPolicy(pb.SetNetworkPolicyRequest(
+            machine_id=machine_id, policy=pb.NetworkPolicy(allow=list(allow), public=public,
+                                                           closed=not (allow or public))), timeout=self.timeout))
+        return MachineInfo.from_proto(resp.machine)
+
     async def fork(self, machine_id: str, count: int = 1) -> builtins.list[AsyncMachine]:
         resp = await self._call(self._stub.Fork(pb.ForkRequest(machine_id=machine_id, count=count),
                                                 timeout=self.timeout))

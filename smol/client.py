@@ -107,6 +107,14 @@ class Client:
         with contextlib.suppress(Exception):
             self.destroy(machine_id)
 
+    def set_network_policy(self, machine_id: str, *, allow: Sequence[str] = (), public: bool = False) -> MachineInfo:
+        """Change a running machine's network policy: the allow entries (Smolfile syntax) and/or public egress;
+        neither closes it (its NIC stays, nothing passes). The machine must have been created with a network
+        policy (``network = "closed"`` for one that starts with nothing allowed)."""
+        resp = self._call(self._stub.SetNetworkPolicy, pb.SetNetworkPolicyRequest(
+            machine_id=machine_id, policy=pb.NetworkPolicy(allow=list(allow), public=public, closed=not (allow or public))))
+        return MachineInfo.from_proto(resp.machine)
+
     def fork(self, machine_id: str, count: int = 1) -> builtins.list[Machine]:
         resp = self._call(self._stub.Fork, pb.ForkRequest(machine_id=machine_id, count=count))
         return [Machine(self, MachineInfo.from_proto(m)) for m in resp.machines]

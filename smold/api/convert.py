@@ -21,6 +21,7 @@ from smold.smolfile import (
     FileMatchesCheck,
     HttpCheck,
     Limits,
+    NetworkPolicy,
     PortForward,
     Smolfile,
     SmolfileError,
@@ -391,7 +392,8 @@ def smolfile_to_spec_proto(s: Smolfile) -> pb.SmolfileSpec:
         cpus=s.cpus,
         memory_mib=s.memory_mib,
         network=pb.NetworkPolicy(allow=[str(r) for r in s.network.allow],
-                                 forward=[str(f) for f in s.network.forward], public=s.network.public),
+                                 forward=[str(f) for f in s.network.forward], public=s.network.public,
+                                 closed=s.network.closed),
         mounts=[pb.Mount(host_path=m.host, guest_path=m.guest) for m in s.mounts],
         env=dict(s.env),
         setup=[command_to_proto(c) for c in s.setup],
@@ -471,6 +473,20 @@ def _checks_mapping(checks: Iterable[pb.Check], file: str) -> list[dict[str, Any
     return [_check_mapping(c, file, ["verifier", "checks", i]) for i, c in enumerate(checks)]
 
 
+def network_policy_from_proto(msg: pb.NetworkPolicy) -> NetworkPolicy:
+    """A SetNetworkPolicy request's policy, validated as a Smolfile's network table (SmolfileError names the
+    entry); nothing allowed, or closed alone: a closed policy."""
+    given = bool(len(msg.allow) or len(msg.forward) or msg.public)
+    if msg.closed and given:
+        raise SmolfileError.at(INLINE_SPEC, ["network", "closed"], "takes no allow, forward or public")
+    if not given:
+        return NetworkPolicy(closed=True)
+    table: dict[str, Any] = {"allow": list(msg.allow), "public": msg.public}
+    if len(msg.forward):
+        table["forward"] = list(msg.forward)
+    return parse_mapping({"network": table}, base_dir=None, filename=INLINE_SPEC).network
+
+
 def spec_mapping(msg: pb.SmolfileSpec, file: str = INLINE_SPEC) -> dict[str, Any]:
     """The inline spec as the TOML-shaped mapping smold.smolfile.parse_mapping validates."""
     out: dict[str, Any] = {}
@@ -480,7 +496,10 @@ def spec_mapping(msg: pb.SmolfileSpec, file: str = INLINE_SPEC) -> dict[str, Any
         out["cpus"] = msg.cpus
     if msg.HasField("memory_mib"):
         out["memory"] = msg.memory_mib
-    if len(msg.network.allow) or len(msg.network.forward) or msg.network.public:
+    if msg.network.closed:   # the string form; with other fields the parser names the mistake
+        out["network"] = "closed" if not (len(msg.network.allow) or len(msg.network.forward) or msg.network.public) \
+            else {"closed": True}
+    elif len(msg.network.allow) or len(msg.network.forward) or msg.network.public:
         out["network"] = {"allow": list(msg.network.allow)}
         if len(msg.network.forward):
             out["network"]["forward"] = list(msg.network.forward)

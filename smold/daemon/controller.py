@@ -49,9 +49,10 @@ from smold.api.machine import (
     RunResult,
     StepResult,
 )
-from smold.net import AddressPool, ForwardError, NetError, NetworkManager, VmNetwork
+from smold.net import AddressPool, ForwardError, NetError, NetworkManager, NftError, VmNetwork
 from smold.smolfile import (
     Check,
+    NetworkPolicy,
     RewardCheck,
     Smolfile,
     SmolfileError,
@@ -951,6 +952,28 @@ class Controller:
                     with contextlib.suppress(Exception):
                         names.add(str(_read_meta(d).get("image", "")))
         return names
+
+    # --- network policy ---------------------------------------------------------------------------------------
+    async def set_network_policy(self, ref: str, policy: NetworkPolicy) -> MachineInfo:
+        """Give a running machine another network policy (NetworkManager.update: atomic, counters kept,
+        connections the new policy does not allow cut). It must have a NIC: a machine created with networking
+        off has none to open."""
+        m = self._running(ref)
+        if m.net is None:
+            raise WrongPhaseError(f"machine {m.id} was created with networking off and has no NIC; create it with "
+                                  'network = "closed" (or any policy) to change its policy later')
+        if policy.public and not self.config.public_network:
+            raise RefusedByPolicyError('network = "public": this daemon gives no machine public egress '
+                                       "(smold --no-public-network); list the destinations in network.allow instead")
+        try:
+            await self.network.update(m.net, policy, m.state_dir)
+        except NftError as e:   # the host's nft failed: the old policy is still in force
+            raise DaemonError(f"machine {m.id}: the new network policy could not be applied (the old one stays): "
+                              f"{e}") from None
+        except NetError as e:
+            raise InvalidRequestError(f"policy: {e}") from None
+        await self._read_network(m)
+        return self.info(m)
 
     # --- destroy ----------------------------------------------------------------------------------------------
     async def destroy(self, ref: str) -> None:

@@ -130,6 +130,14 @@ class SmolServicer(pb_grpc.SmolServicer):
             return pb.DestroyMachineResponse()
         return await self._call(context, go)
 
+    async def SetNetworkPolicy(self, request: pb.SetNetworkPolicyRequest,
+                               context: Any) -> pb.SetNetworkPolicyResponse:
+        async def go() -> pb.SetNetworkPolicyResponse:
+            policy = convert.network_policy_from_proto(request.policy)
+            info = await self.controller.set_network_policy(request.machine_id, policy)
+            return pb.SetNetworkPolicyResponse(machine=convert.machine_to_proto(info))
+        return await self._call(context, go)
+
     async def Run(self, request: pb.RunRequest, context: Any) -> pb.RunResponse:
         async def go() -> pb.RunResponse:
             sf, filename = self._smolfile(request.smolfile)

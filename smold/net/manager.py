@@ -26,6 +26,7 @@ from pathlib import Path
 from pyroute2 import IPRoute
 
 from smold.api.machine import DeniedDestination, NetworkReport
+from smold.smolfile import SmolfileError, parse_mapping
 from smold.smolfile.model import NetworkPolicy, PortForward
 
 from . import netns, nft
@@ -51,6 +52,7 @@ from .rules import (
     network_element,
     port_element,
     render,
+    render_update,
 )
 
 log = logging.getLogger("smold.net")
@@ -136,6 +138,8 @@ class VmNetwork:
     uplink: Uplink
     resolved: ResolvedPolicy
     guest_link: str = "tap"    # "tap" for a VMM; "veth" when a test's fake guest stands in for it
+    policy: NetworkPolicy = field(default_factory=NetworkPolicy)   # the policy in force (NetworkManager.update)
+    generation: int = 1        # 1 at create, one more at each update (rules.build_ruleset's connection marks)
     dns: DnsServer | None = None
     forwarder: PortForwarder | None = None  # the Smolfile's network.forward (None: no forwards)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -160,7 +164,9 @@ class VmNetwork:
     def record(self) -> dict[str, object]:
         return {"namespace": self.namespace, "host_if": self.host_if, "uplink_index": self.uplink.index,
                 "guest_link": self.guest_link,
-                "forwards": self.forwarder.record() if self.forwarder is not None else {}}
+                "forwards": self.forwarder.record() if self.forwarder is not None else {},
+                "policy": {"allow": [str(r) for r in self.policy.allow], "public": self.policy.public},
+                "generation": self.generation}
 
 
 class NetworkManager:
@@ -191,7 +197,7 @@ class NetworkManager:
         host_now = await asyncio.to_thread(netns.host_addresses)
         uplink = self.pool.allocate(machine_id, (n.network_address for n in host_now))
         net = VmNetwork(machine_id, namespace_name(machine_id), host_if_name(machine_id), uplink, resolved,
-                        guest_link)
+                        guest_link, policy)
         self.networks[machine_id] = net
         try:
             await asyncio.to_thread(self._create_links, net)
@@ -216,12 +222,14 @@ class NetworkManager:
         try:
             rec = json.loads((state_dir / NET_FILE).read_text())
             index = int(rec["uplink_index"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            generation = int(rec.get("generation", 1))
+            policy = _recorded_policy(rec.get("policy"), policy)
+        except (OSError, ValueError, KeyError, TypeError, SmolfileError) as e:
             raise NetError(f"machine {machine_id}: no usable {NET_FILE}: {e}") from None
         net = VmNetwork(machine_id, namespace_name(machine_id), host_if_name(machine_id),
                         self.pool.reserve(index, machine_id),
                         await asyncio.to_thread(resolve_policy, policy, self.resolve),
-                        str(rec.get("guest_link", "tap")))
+                        str(rec.get("guest_link", "tap")), policy, generation)
         self.networks[machine_id] = net
         try:
             if not netns.namespace_exists(net.namespace) or not await asyncio.to_thread(
@@ -248,7 +256,42 @@ class NetworkManager:
     def ruleset(self, net: VmNetwork, host_addresses: Iterable[ipaddress.IPv4Network] = ()):  # type: ignore[no-untyped-def]
         """The namespace's ruleset; a public one also blocks the pool and ``host_addresses``."""
         blocked = [self.pool.network, *host_addresses] if net.resolved.public else []
-        return build_ruleset(net.allowed, gateway=GATEWAY, guest=GUEST, public=net.resolved.public, blocked=blocked)
+        return build_ruleset(net.allowed, gateway=GATEWAY, guest=GUEST, public=net.resolved.public, blocked=blocked,
+                             generation=net.generation)
+
+    # --- change ---------------------------------------------------------------------------------------------
+    async def update(self, net: VmNetwork, policy: NetworkPolicy, state_dir: Path | None = None) -> None:
+        """Give a running machine another policy: an allowlist, public egress, or nothing at all (its NIC stays,
+        nothing passes). The namespace's chains and allowed sets are replaced in one nft transaction; its
+        counters and denied sets are kept (the report covers every policy the machine had); connections the
+        old policy let through and the new one does not are cut (``generation``); its resolver answers by the
+        new policy. Port forwards are fixed at create: ``policy.forward`` must be empty or unchanged."""
+        if policy.forward and policy.forward != net.policy.forward:
+            raise NetError("port forwards are fixed when the machine is created; leave forward out of the new policy")
+        policy = NetworkPolicy(policy.allow, net.policy.forward, policy.public)
+        resolved = await asyncio.to_thread(resolve_policy, policy, self.resolve)
+        for r in resolved.ignored:
+            log.warning("machine %s: allow rule %s ignored (the guest has IPv4 only)", net.machine_id, r)
+        async with net.lock:
+            host_now = await asyncio.to_thread(netns.host_addresses)
+            was_public, old = net.resolved.public, (net.resolved, net.policy, net.generation)
+            net.resolved, net.policy, net.generation = resolved, policy, net.generation + 1
+            try:
+                if resolved.public and not was_public:   # the host out of reach before the guest can go public
+                    await asyncio.to_thread(self._host_rules, net)
+                await asyncio.to_thread(nft.apply, net.namespace, render_update(self.ruleset(net, host_now)))
+            except BaseException:
+                net.resolved, net.policy, net.generation = old
+                if resolved.public and not was_public and self.host_rules:
+                    await asyncio.to_thread(remove_public_uplink, net.host_if)
+                raise
+            if was_public and not resolved.public and self.host_rules:
+                await asyncio.to_thread(remove_public_uplink, net.host_if)
+            if net.dns is not None:
+                net.dns.policy = self._dns_policy(net, carry=net.dns.policy)
+            if state_dir is not None:
+                await asyncio.to_thread(_write_record, state_dir, net)
+        log.info("machine %s: network policy %d: %s", net.machine_id, net.generation, _describe(policy))
 
     def _host_rules(self, net: VmNetwork) -> None:
         """The host's table (created if missing, else given this pool), and a public machine's uplink in it
@@ -313,12 +356,20 @@ class NetworkManager:
         net.resolved = ResolvedPolicy(AllowedDestinations.of(nets, ports), net.resolved.names,
                                       net.resolved.name_ports, net.resolved.ignored, net.resolved.public)
 
-    async def _start_dns(self, net: VmNetwork) -> None:
+    def _dns_policy(self, net: VmNetwork, carry: DnsPolicy | None = None) -> DnsPolicy:
+        """The resolver's policy for the machine's current network policy (``carry``: the one it replaces,
+        whose counts of denied names it keeps)."""
         async def on_addresses(name: str, addrs: tuple[ipaddress.IPv4Address, ...]) -> None:
             async with net.lock:
                 await asyncio.to_thread(self._add_name_addresses, net, name, addrs)
 
         policy = DnsPolicy(net.resolved.names, self.resolve, on_addresses, any_name=net.resolved.public)
+        if carry is not None:
+            policy.carry_counts(carry)
+        return policy
+
+    async def _start_dns(self, net: VmNetwork) -> None:
+        policy = self._dns_policy(net)
         udp, tcp = await asyncio.to_thread(netns.in_netns, net.namespace, _dns_sockets)
         server = DnsServer(policy)
         try:
@@ -446,6 +497,25 @@ def remove_network(namespace: str, host_if: str) -> None:
         with contextlib.suppress(NetError):  # if the namespace lingers, the tap must not keep it busy
             netns.in_netns(namespace, netns._delete_link, GUEST_IF)
         netns.remove_namespace(namespace)
+
+
+def _describe(policy: NetworkPolicy) -> str:
+    parts = (["public"] if policy.public else []) + [str(r) for r in policy.allow]
+    return ", ".join(parts) or "nothing allowed"
+
+
+def _recorded_policy(recorded: object, created: NetworkPolicy) -> NetworkPolicy:
+    """The policy net.json records (the last NetworkManager.update's), with the forwards of ``created``; a
+    record without one (written before updates existed): ``created``."""
+    if recorded is None:
+        return created
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("allow", []), list):
+        raise ValueError(f"policy: not an object with an allow list: {recorded!r}")
+    allow, public = list(recorded.get("allow", [])), recorded.get("public", False) is True
+    if not allow and not public:
+        return NetworkPolicy(forward=created.forward)
+    parsed = parse_mapping({"network": {"allow": allow, "public": public}}, base_dir=None).network
+    return NetworkPolicy(parsed.allow, created.forward, parsed.public)
 
 
 def remove_public_uplink(host_if: str) -> None:

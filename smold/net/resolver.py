@@ -77,6 +77,12 @@ class DnsPolicy:
         self.denied_queries = 0
         self.malformed = 0
 
+    def carry_counts(self, other: DnsPolicy) -> None:
+        """Keep the counts of the policy this one replaces (a machine's policy changed)."""
+        self._denied = dict(other._denied)
+        self.denied_queries = other.denied_queries
+        self.malformed = other.malformed
+
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self._cache))

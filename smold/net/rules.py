@@ -135,14 +135,17 @@ def blocked_networks(extra: Iterable[ipaddress.IPv4Network] = ()) -> tuple[ipadd
 def build_ruleset(allowed: AllowedDestinations, *, gateway: ipaddress.IPv4Address,
                   guest: ipaddress.IPv4Address, guest_if: str = GUEST_IF, uplink_if: str = UPLINK_IF,
                   table: str = TABLE, public: bool = False,
-                  blocked: Iterable[ipaddress.IPv4Network] = ()) -> Ruleset:
+                  blocked: Iterable[ipaddress.IPv4Network] = (), generation: int = 1) -> Ruleset:
     """The ruleset for one VM namespace (see the module docstring). ``public``: also every IPv4 address
-    outside ``blocked_networks(blocked)``."""
+    outside ``blocked_networks(blocked)``. ``generation``: the policy's number (1 at create, one more at each
+    change): a forwarded connection is marked with the generation that accepted it, and only connections of
+    the current one stay established, so a policy change also cuts what the old policy let through."""
     tcp_udp = "meta l4proto { tcp, udp }"
     g = f'iifname "{guest_if}"'
     public_sets = (NftSet(SET_BLOCKED, ("ipv4_addr",), ("interval",),
                           tuple(network_element(n) for n in blocked_networks(blocked))),) if public else ()
-    public_rules = (f"{g} ip daddr != @{SET_BLOCKED} counter name \"{COUNTER_ALLOWED}\" accept",) if public else ()
+    mark = f"ct mark set {generation}"
+    public_rules = (f"{g} ip daddr != @{SET_BLOCKED} counter name \"{COUNTER_ALLOWED}\" {mark} accept",) if public else ()
     sets = (
         NftSet(SET_ALLOW, ("ipv4_addr",), ("interval",), tuple(network_element(n) for n in allowed.networks)),
         NftSet(SET_ALLOW_PORT, ("ipv4_addr", "inet_service"), ("interval",),
@@ -153,10 +156,10 @@ def build_ruleset(allowed: AllowedDestinations, *, gateway: ipaddress.IPv4Addres
         *public_sets,
     )
     forward = NftChain("forward", "filter", "forward", "filter", "drop", (
-        "ct state established,related accept",
+        f"ct state established,related ct mark {generation} accept",
         f"{g} ip saddr != {guest} counter name \"{COUNTER_SPOOF}\" drop",
-        f"{g} ip daddr @{SET_ALLOW} counter name \"{COUNTER_ALLOWED}\" accept",
-        f"{g} {tcp_udp} ip daddr . th dport @{SET_ALLOW_PORT} counter name \"{COUNTER_ALLOWED}\" accept",
+        f"{g} ip daddr @{SET_ALLOW} counter name \"{COUNTER_ALLOWED}\" {mark} accept",
+        f"{g} {tcp_udp} ip daddr . th dport @{SET_ALLOW_PORT} counter name \"{COUNTER_ALLOWED}\" {mark} accept",
         *public_rules,
         f"{g} {tcp_udp} add @{SET_DENIED_L4} {{ ip daddr . meta l4proto . th dport }}",
         f"{g} meta nfproto ipv4 meta l4proto != {{ tcp, udp }} add @{SET_DENIED_OTHER} {{ ip daddr . meta l4proto }}",
@@ -207,6 +210,39 @@ def build_host_ruleset(nat_sources: Iterable[ipaddress.IPv4Network], uplink_pref
     return Ruleset(FAMILY, HOST_TABLE, (COUNTER_HOST,), sets, (input_, postrouting))
 
 
+def _set_body(s: NftSet, elements: bool = True) -> str:
+    body = [f"type {' . '.join(s.type)};"]
+    if s.flags:
+        body.append(f"flags {', '.join(s.flags)};")
+    if s.size is not None:
+        body.append(f"size {s.size};")
+    if s.counter:
+        body.append("counter;")
+    if elements and s.elements:
+        body.append(f"elements = {{ {', '.join(s.elements)} }};")
+    return " ".join(body)
+
+
+def render_update(rs: Ruleset) -> str:
+    """An ``nft -f`` script (atomic) that gives the existing table of this name the ruleset's chains and the
+    elements of its static sets, keeping its named counters and dynamic sets: what was denied before a
+    policy change stays in the report."""
+    t = f"{rs.family} {rs.table}"
+    out = [f"add counter {t} {name}" for name in rs.counters]
+    for s in rs.sets:
+        out.append(f"add set {t} {s.name} {{ {_set_body(s, elements=False)} }}")
+        if "dynamic" not in s.flags:
+            out.append(f"flush set {t} {s.name}")
+            if s.elements:
+                out.append(f"add element {t} {s.name} {{ {', '.join(s.elements)} }}")
+    for c in rs.chains:
+        out.append(f"add chain {t} {c.name} {{ type {c.type} hook {c.hook} priority {c.priority}; "
+                   f"policy {c.policy}; }}")
+        out.append(f"flush chain {t} {c.name}")
+        out.extend(f"add rule {t} {c.name} {r}" for r in c.rules)
+    return "\n".join(out) + "\n"
+
+
 def render(rs: Ruleset, replace: bool = True) -> str:
     """The ruleset as an ``nft -f`` script that (re)creates the table atomically (``replace``; else one that
     creates it and fails if it exists)."""
@@ -216,16 +252,7 @@ def render(rs: Ruleset, replace: bool = True) -> str:
     for name in rs.counters:
         out.append(f"\tcounter {name} {{ }}")
     for s in rs.sets:
-        body = [f"type {' . '.join(s.type)};"]
-        if s.flags:
-            body.append(f"flags {', '.join(s.flags)};")
-        if s.size is not None:
-            body.append(f"size {s.size};")
-        if s.counter:
-            body.append("counter;")
-        if s.elements:
-            body.append(f"elements = {{ {', '.join(s.elements)} }};")
-        out.append(f"\tset {s.name} {{ {' '.join(body)} }}")
+        out.append(f"\tset {s.name} {{ {_set_body(s)} }}")
     for c in rs.chains:
         out.append(f"\tchain {c.name} {{")
         out.append(f"\t\ttype {c.type} hook {c.hook} priority {c.priority}; policy {c.policy};")

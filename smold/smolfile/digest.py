@@ -75,7 +75,8 @@ def to_mapping(smolfile: Smolfile) -> dict[str, Any]:
         "image": smolfile.image,
         "cpus": smolfile.cpus,
         "memory": smolfile.memory_mib,
-        "network": _network(smolfile) if smolfile.network.enabled else "off",
+        "network": ("closed" if smolfile.network.closed else _network(smolfile)) if smolfile.network.enabled
+        else "off",
         "mounts": {m.host: m.guest for m in smolfile.mounts},
         "env": dict(smolfile.env),
         "setup": [_command(c) for c in smolfile.setup],

@@ -93,10 +93,11 @@ class NetworkPolicy:
     allow: tuple[AllowRule, ...] = ()
     forward: tuple[PortForward, ...] = ()
     public: bool = False
+    closed: bool = False   # network = "closed": a NIC with nothing allowed (a policy set later, SetNetworkPolicy)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.allow or self.forward or self.public)
+        return bool(self.allow or self.forward or self.public or self.closed)
 
 
 @dataclass(frozen=True)

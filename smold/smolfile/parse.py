@@ -218,13 +218,16 @@ class _Parser:
         return mib
 
     def network(self, value: object, path: KeyPath) -> NetworkPolicy:
-        """"off", "public", or {public = bool, allow = [entries], forward = [entries]} with public true or at
-        least one entry in allow or forward."""
+        """"off", "public", "closed" (a NIC, nothing allowed), or {public = bool, allow = [entries], forward =
+        [entries]} with public true or at least one entry in allow or forward."""
         if isinstance(value, str):
             if value == "public":
                 return NetworkPolicy(public=True)
+            if value == "closed":
+                return NetworkPolicy(closed=True)
             if value != "off":
-                self.fail(path, f"must be \"off\", \"public\" or a table {{allow = [...]}} (got '{value}')")
+                self.fail(path, f"must be \"off\", \"public\", \"closed\" or a table {{allow = [...]}} "
+                                f"(got '{value}')")
             return NetworkPolicy()
         t = self.table(value, path, ("allow", "forward", "public"))
         public = t.get("public", False)

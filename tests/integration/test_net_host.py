@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from pyroute2 import IPRoute
 
-from smold.net import AddressPool, ForwardError, NetworkManager, netns, nft
+from smold.net import AddressPool, ForwardError, NetError, NetworkManager, netns, nft
 from smold.net import dns as dnsmsg
 from smold.net.manager import GATEWAY, GUEST, host_if_name, namespace_name, network_leftovers
 from smold.smolfile.model import AllowRule, NetworkPolicy, PortForward
@@ -396,3 +396,98 @@ async def test_public_egress_reaches_the_internet_never_the_host_metadata_or_pri
         await mgr.teardown(net)
     assert network_leftovers(net.namespace, net.host_if) == []
     assert net.host_if not in await asyncio.to_thread(nft.set_elements, None, SET_PUBLIC_UPLINKS, HOST_TABLE)
+
+
+_LINE_ECHO = """
+import socket, sys, threading
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen(8)
+def serve(c):
+    with c:
+        while data := c.recv(64):
+            c.sendall(data)
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+"""
+ECHO_PORT = 7070
+
+
+def _echo_once(sock: socket.socket, data: bytes) -> str:
+    """Send data on an open connection; "echoed" or what went wrong."""
+    try:
+        sock.sendall(data)
+        return "echoed" if sock.recv(64) == data else "bad reply"
+    except OSError as e:
+        return type(e).__name__
+
+
+def _connect(addr: str, port: int) -> socket.socket:
+    s = socket.create_connection((addr, port), timeout=3)
+    s.settimeout(3)
+    return s
+
+
+async def test_a_running_machines_policy_changes_atomically_cuts_old_connections_and_survives_adoption(
+        world: dict[str, str], tmp_path: Path) -> None:
+    """network = "closed" (a NIC, nothing allowed), then an allowlist, then closed again, then public: each
+    change is in force at once; a connection the old policy let through and the new one does not is cut;
+    the counters and denied destinations of every policy stay in the report; a restarted daemon re-adopts the
+    policy in force, not the one the machine was created with."""
+    from smold.net.rules import HOST_TABLE, SET_PUBLIC_UPLINKS
+
+    addr_a = world["addr_a"]
+    echo = subprocess.Popen(["nsenter", f"--net={netns.netns_path(world['a'])}", "--", sys.executable, "-c",
+                             _LINE_ECHO, addr_a, str(ECHO_PORT)])
+    mgr = NetworkManager(AddressPool("10.214.15.0/24"), resolve=lambda n: [])
+    created = NetworkPolicy(closed=True)
+    mid = f"m-{secrets.token_hex(6)}"
+    net = await mgr.setup(mid, created, guest_link="veth", state_dir=tmp_path)
+    try:
+        _attach_fake_guest(net.namespace, world["g"])
+
+        async def as_guest(fn, *args):  # type: ignore[no-untyped-def]
+            return await asyncio.to_thread(netns.in_netns, world["g"], fn, *args)
+
+        assert await as_guest(_http_get, addr_a, HTTP_PORT) != "ok"              # closed: nothing passes
+        await mgr.update(net, NetworkPolicy((AllowRule("cidr", f"{addr_a}/32"),)), tmp_path)
+        assert net.generation == 2
+        assert await as_guest(_http_get, addr_a, HTTP_PORT) == "ok"              # in force at once
+        assert await as_guest(_http_get, world["addr_b"], HTTP_PORT) != "ok"
+        conn = await as_guest(_connect, addr_a, ECHO_PORT)
+        try:
+            assert await asyncio.to_thread(_echo_once, conn, b"one") == "echoed"
+            await mgr.update(net, NetworkPolicy(), tmp_path)                        # closed again
+            assert await asyncio.to_thread(_echo_once, conn, b"two") != "echoed"   # the open connection is cut
+        finally:
+            conn.close()
+        assert await as_guest(_http_get, addr_a, HTTP_PORT) != "ok"
+        report = await mgr.report(net)
+        denied = {(d.address, d.protocol, d.port) for d in report.denied}
+        # what the first closed policy and the allowlist denied is still reported
+        assert {(addr_a, "tcp", HTTP_PORT), (world["addr_b"], "tcp", HTTP_PORT)} <= denied
+        assert dict(report.counters)["allowed_forward"] >= 2
+
+        await mgr.update(net, NetworkPolicy(public=True), tmp_path)
+        members = await asyncio.to_thread(nft.set_elements, None, SET_PUBLIC_UPLINKS, HOST_TABLE)
+        assert net.host_if in members
+        with pytest.raises(NetError, match="port forwards are fixed"):
+            await mgr.update(net, NetworkPolicy(forward=(PortForward(80),)), tmp_path)
+        assert net.resolved.public and net.generation == 4     # a refused change changes nothing
+
+        # a restarted daemon: the policy in force (public), not the created one (closed)
+        assert net.dns is not None
+        await net.dns.close()
+        fresh = NetworkManager(AddressPool("10.214.15.0/24"), resolve=lambda n: [])
+        adopted = await fresh.adopt(mid, created, tmp_path)
+        assert adopted.policy.public and adopted.generation == 4
+        mgr, net = fresh, adopted
+        await mgr.update(net, NetworkPolicy(), tmp_path)
+        members = await asyncio.to_thread(nft.set_elements, None, SET_PUBLIC_UPLINKS, HOST_TABLE)
+        assert net.host_if not in members and net.generation == 5
+    finally:
+        echo.kill()
+        echo.wait()
+        await mgr.teardown(net)
+    assert network_leftovers(net.namespace, net.host_if) == []

@@ -152,11 +152,23 @@ def test_inline_spec_is_validated_like_toml():
 
 
 def test_a_public_network_crosses_the_wire():
-    for text in ('network = "public"', 'network = {public = true, allow = ["10.1.2.3:80"], forward = ["8080"]}'):
+    for text in ('network = "public"', 'network = {public = true, allow = ["10.1.2.3:80"], forward = ["8080"]}',
+                 'network = "closed"'):
         s = parse_smolfile(text, base_dir=None)
         spec = convert.smolfile_to_spec_proto(s)
-        assert spec.network.public
+        assert spec.network.public != spec.network.closed
         assert convert.smolfile_from_spec_proto(wire(spec)) == s
+
+
+def test_a_set_network_policy_request_is_validated_like_a_smolfiles_network():
+    assert convert.network_policy_from_proto(pb.NetworkPolicy()).closed
+    assert convert.network_policy_from_proto(pb.NetworkPolicy(closed=True)).closed
+    p = convert.network_policy_from_proto(pb.NetworkPolicy(allow=["pypi.org:443"], public=True))
+    assert p.public and [str(r) for r in p.allow] == ["pypi.org:443"] and not p.closed
+    with pytest.raises(SmolfileError, match=r"\[network\].allow\[0\]: invalid CIDR"):
+        convert.network_policy_from_proto(pb.NetworkPolicy(allow=["10.0.0.1/8"]))
+    with pytest.raises(SmolfileError, match="takes no allow, forward or public"):
+        convert.network_policy_from_proto(pb.NetworkPolicy(allow=["pypi.org"], closed=True))
 
 
 def test_smolfile_message_toml_or_spec():

@@ -197,3 +197,50 @@ async def test_a_daemon_without_public_network_refuses_public_machines(env: Env)
     assert (await env.stub.ListMachines(pb.ListMachinesRequest())).machines == []   # nothing was made
     m = await create(env, spec(network=pb.NetworkPolicy(allow=["10.251.9.0/24"])))   # an allowlist still works
     await env.stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))
+
+
+@pytest.mark.parametrize("env", [{"net_pool": "10.214.16.0/24"}], indirect=True)
+async def test_set_network_policy_changes_a_running_machines_policy(env: Env) -> None:
+    from smold.net import nft
+    from smold.net.rules import HOST_TABLE, SET_PUBLIC_UPLINKS
+    m = await create(env, spec(network=pb.NetworkPolicy(closed=True)))
+    assert host_if_name(m.id) not in nft.set_elements(None, SET_PUBLIC_UPLINKS, HOST_TABLE)
+    got = (await env.stub.SetNetworkPolicy(pb.SetNetworkPolicyRequest(
+        machine_id=m.id, policy=pb.NetworkPolicy(public=True)))).machine
+    assert got.id == m.id and got.HasField("network")
+    assert host_if_name(m.id) in nft.set_elements(None, SET_PUBLIC_UPLINKS, HOST_TABLE)
+    await env.stub.SetNetworkPolicy(pb.SetNetworkPolicyRequest(machine_id=m.id, policy=pb.NetworkPolicy(
+        allow=["10.251.9.0/24"])))
+    assert host_if_name(m.id) not in nft.set_elements(None, SET_PUBLIC_UPLINKS, HOST_TABLE)
+    net_json = (env.machines_dir / m.id / "net.json").read_text()
+    assert '"allow": ["10.251.9.0/24"]' in net_json and '"generation": 3' in net_json
+
+    async def refused(machine: str, policy: pb.NetworkPolicy) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await env.stub.SetNetworkPolicy(pb.SetNetworkPolicyRequest(machine_id=machine, policy=policy))
+        return e.value.code(), e.value.details() or ""
+
+    code, why = await refused(m.id, pb.NetworkPolicy(allow=["10.0.0.1/8"]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "invalid CIDR" in why
+    code, why = await refused(m.id, pb.NetworkPolicy(forward=["8080"]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "port forwards are fixed" in why
+    code, why = await refused(m.id, pb.NetworkPolicy(closed=True, public=True))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "takes no allow, forward or public" in why
+    off = await create(env)   # networking off: no NIC to open
+    code, why = await refused(off.id, pb.NetworkPolicy(public=True))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and 'network = "closed"' in why
+    code, _ = await refused("m-000000000000", pb.NetworkPolicy())
+    assert code == grpc.StatusCode.NOT_FOUND
+    for mid in (m.id, off.id):
+        await env.stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=mid))
+    assert network_leftovers(namespace_name(m.id), host_if_name(m.id)) == []
+
+
+@pytest.mark.parametrize("env", [{"net_pool": "10.214.17.0/24", "public_network": False}], indirect=True)
+async def test_a_daemon_without_public_network_refuses_to_make_a_machine_public(env: Env) -> None:
+    m = await create(env, spec(network=pb.NetworkPolicy(closed=True)))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await env.stub.SetNetworkPolicy(pb.SetNetworkPolicyRequest(machine_id=m.id,
+                                                                   policy=pb.NetworkPolicy(public=True)))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--no-public-network" in (e.value.details() or "")
+    await env.stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))

@@ -60,12 +60,12 @@ def test_ruleset_drops_by_default_and_allows_only_the_sets() -> None:
     rs = build_ruleset(allowed, gateway=GATEWAY, guest=GUEST)
     fwd, inp = rs.chain("forward"), rs.chain("input")
     assert fwd.policy == "drop" and inp.policy == "drop" and fwd.hook == "forward" and inp.hook == "input"
-    assert fwd.rules[0] == "ct state established,related accept"
+    assert fwd.rules[0] == "ct state established,related ct mark 1 accept"
     accepts = [r for r in fwd.rules if r.endswith("accept")]
     assert accepts[1:] == [
-        'iifname "tap0" ip daddr @allow_v4 counter name "allowed_forward" accept',
+        'iifname "tap0" ip daddr @allow_v4 counter name "allowed_forward" ct mark set 1 accept',
         'iifname "tap0" meta l4proto { tcp, udp } ip daddr . th dport @allow_v4_port counter name '
-        '"allowed_forward" accept']
+        '"allowed_forward" ct mark set 1 accept']
     assert rs.set(SET_ALLOW).elements == ("10.9.0.0/16",)
     assert rs.set(SET_ALLOW_PORT).elements == ("192.0.2.7 . 443",)
     assert any(f'counter name "{COUNTER_FORWARD}"' in r and r.endswith("drop") for r in fwd.rules)
@@ -95,10 +95,10 @@ def test_rendered_ruleset_is_accepted_by_nft() -> None:
 def test_a_public_ruleset_accepts_what_is_not_blocked_after_the_allow_entries() -> None:
     allowed = AllowedDestinations.of([N("10.9.0.0/16")], [])
     rs = build_ruleset(allowed, gateway=GATEWAY, guest=GUEST, public=True,
-                       blocked=[N("10.213.0.0/16"), N("100.80.0.0/16"), N("198.51.100.1/32")])
+                       blocked=[N("10.213.0.0/16"), N("100.80.0.0/16"), N("198.51.100.1/32")], generation=3)
     fwd = rs.chain("forward").rules
-    public = f'iifname "tap0" ip daddr != @{SET_BLOCKED} counter name "{COUNTER_ALLOWED}" accept'
-    allow = 'iifname "tap0" ip daddr @allow_v4 counter name "allowed_forward" accept'
+    public = f'iifname "tap0" ip daddr != @{SET_BLOCKED} counter name "{COUNTER_ALLOWED}" ct mark set 3 accept'
+    allow = 'iifname "tap0" ip daddr @allow_v4 counter name "allowed_forward" ct mark set 3 accept'
     assert fwd.index(allow) < fwd.index(public) < next(i for i, r in enumerate(fwd) if "denied_l4" in r)
     blocked = [N(e) for e in rs.set(SET_BLOCKED).elements]
     for addr in ("169.254.169.254", "10.213.4.2", "127.0.0.1", "192.168.1.1", "172.20.0.1", "100.64.0.1",
@@ -109,7 +109,10 @@ def test_a_public_ruleset_accepts_what_is_not_blocked_after_the_allow_entries() 
     assert all(any(n.subnet_of(b) for b in blocked) for n in NON_PUBLIC_V4)
     # without public: no blocked set and no accept-anything rule
     plain = build_ruleset(allowed, gateway=GATEWAY, guest=GUEST)
-    assert SET_BLOCKED not in {s.name for s in plain.sets} and public not in plain.chain("forward").rules
+    assert SET_BLOCKED not in {s.name for s in plain.sets}
+    assert not any("blocked" in r for r in plain.chain("forward").rules)
+    # only connections the current generation accepted stay established
+    assert fwd[0] == "ct state established,related ct mark 3 accept"
 
 
 def test_the_host_table_masquerades_the_pool_and_drops_public_uplinks_to_the_host() -> None:

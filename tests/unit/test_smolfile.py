@@ -327,8 +327,17 @@ def test_public_network():
     assert digest(parse('network = "public"')) != digest(parse('network = {allow = ["0.0.0.0/0"]}'))
 
 
+def test_closed_network_is_a_nic_with_nothing_allowed():
+    s = parse('network = "closed"')
+    assert s.network.enabled and s.network.closed and not s.network.public and s.network.allow == ()
+    assert digest(s) != digest(parse('network = "off"'))
+    e = error('network = {closed = true}')
+    assert (e.key, e.reason) == ("[network].closed", "unknown key (expected one of allow, forward, public)")
+
+
 def test_network_policy_errors():
-    assert error('network = "on"').reason == "must be \"off\", \"public\" or a table {allow = [...]} (got 'on')"
+    assert error('network = "on"').reason == ("must be \"off\", \"public\", \"closed\" or a table {allow = [...]} "
+                                              "(got 'on')")
     assert error("network = {allow = []}").reason == 'must not be empty (write network = "off" to disable networking)'
     assert error("network = {}").reason == "missing key 'allow'"
     e = error('network = {allow = ["PyPI.org", "pypi.org."]}')

@@ -204,14 +204,16 @@ class SmolfileSpec(_message.Message):
     def __init__(self, image: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., env: _Optional[_Mapping[str, str]] = ..., setup: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., task: _Optional[_Union[Command, _Mapping]] = ..., timeouts: _Optional[_Union[Timeouts, _Mapping]] = ..., checks: _Optional[_Iterable[_Union[Check, _Mapping]]] = ..., base_dir: _Optional[str] = ..., verifier_mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., verifier_outputs: _Optional[_Iterable[str]] = ..., verifier_image: _Optional[str] = ...) -> None: ...
 
 class NetworkPolicy(_message.Message):
-    __slots__ = ("allow", "forward", "public")
+    __slots__ = ("allow", "forward", "public", "closed")
     ALLOW_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
     allow: _containers.RepeatedScalarFieldContainer[str]
     forward: _containers.RepeatedScalarFieldContainer[str]
     public: bool
-    def __init__(self, allow: _Optional[_Iterable[str]] = ..., forward: _Optional[_Iterable[str]] = ..., public: _Optional[bool] = ...) -> None: ...
+    closed: bool
+    def __init__(self, allow: _Optional[_Iterable[str]] = ..., forward: _Optional[_Iterable[str]] = ..., public: _Optional[bool] = ..., closed: _Optional[bool] = ...) -> None: ...
 
 class Mount(_message.Message):
     __slots__ = ("host_path", "guest_path")
@@ -515,6 +517,20 @@ class DestroyMachineRequest(_message.Message):
 class DestroyMachineResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SetNetworkPolicyRequest(_message.Message):
+    __slots__ = ("machine_id", "policy")
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    machine_id: str
+    policy: NetworkPolicy
+    def __init__(self, machine_id: _Optional[str] = ..., policy: _Optional[_Union[NetworkPolicy, _Mapping]] = ...) -> None: ...
+
+class SetNetworkPolicyResponse(_message.Message):
+    __slots__ = ("machine",)
+    MACHINE_FIELD_NUMBER: _ClassVar[int]
+    machine: Machine
+    def __init__(self, machine: _Optional[_Union[Machine, _Mapping]] = ...) -> None: ...
 
 class RunRequest(_message.Message):
     __slots__ = ("smolfile", "name", "labels", "detach")

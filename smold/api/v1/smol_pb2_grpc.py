@@ -75,6 +75,11 @@ class SmolStub:
                 request_serializer=smol_dot_v1_dot_smol__pb2.DestroyMachineRequest.SerializeToString,
                 response_deserializer=smol_dot_v1_dot_smol__pb2.DestroyMachineResponse.FromString,
                 _registered_method=True)
+        self.SetNetworkPolicy = channel.unary_unary(
+                '/smol.v1.Smol/SetNetworkPolicy',
+                request_serializer=smol_dot_v1_dot_smol__pb2.SetNetworkPolicyRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.SetNetworkPolicyResponse.FromString,
+                _registered_method=True)
         self.Run = channel.unary_unary(
                 '/smol.v1.Smol/Run',
                 request_serializer=smol_dot_v1_dot_smol__pb2.RunRequest.SerializeToString,
@@ -211,6 +216,14 @@ class SmolServicer:
 
     def DestroyMachine(self, request, context):
         """Stop the machine and remove every process, socket, tap device and file it had.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetNetworkPolicy(self, request, context):
+        """Change a running machine's network policy (it must have a NIC: created with a network policy, "closed"
+        included); docs/networking.md, "Changing a machine's policy".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -365,6 +378,11 @@ def add_SmolServicer_to_server(servicer, server):
                     servicer.DestroyMachine,
                     request_deserializer=smol_dot_v1_dot_smol__pb2.DestroyMachineRequest.FromString,
                     response_serializer=smol_dot_v1_dot_smol__pb2.DestroyMachineResponse.SerializeToString,
+            ),
+            'SetNetworkPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetNetworkPolicy,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.SetNetworkPolicyRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.SetNetworkPolicyResponse.SerializeToString,
             ),
             'Run': grpc.unary_unary_rpc_method_handler(
                     servicer.Run,
@@ -664,6 +682,33 @@ class Smol:
             '/smol.v1.Smol/DestroyMachine',
             smol_dot_v1_dot_smol__pb2.DestroyMachineRequest.SerializeToString,
             smol_dot_v1_dot_smol__pb2.DestroyMachineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetNetworkPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/SetNetworkPolicy',
+            smol_dot_v1_dot_smol__pb2.SetNetworkPolicyRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.SetNetworkPolicyResponse.FromString,
             options,
             channel_credentials,
             insecure,
