@@ -52,6 +52,7 @@ except ImportError:
         network_allowlist_hostnames: bool = False
         network_allowlist_ipv4_addresses: bool = False
         network_allowlist_ipv4_cidrs: bool = False
+        dynamic_network_policy: bool = False
         gpus: bool = False
         mounted: bool = False
 
@@ -122,7 +123,8 @@ class SmolEnvironment(_Base):
     default) becomes ``network = "public"``: the internet, never the host, its neighbours, link-local
     (cloud metadata) or private ranges (docs/networking.md, "Public egress"). An operator who wants no
     internet passes ``--environment-kwarg public_network=refuse`` (such tasks are refused) or ``=off``
-    (they run with no network at all).
+    (they run with no network at all). Phase policies (an offline agent, online tests) are switched in place
+    (``dynamic_network_policy``; smold's SetNetworkPolicy).
     """
 
     PUBLIC_NETWORK = ("on", "refuse", "off")
@@ -138,6 +140,7 @@ class SmolEnvironment(_Base):
         super().__init__(*args, **kwargs)
         self.client = AsyncClient(socket)
         self.machine_id: str | None = None
+        self._has_nic = False
 
     @staticmethod
     def type() -> Any:
@@ -148,7 +151,7 @@ class SmolEnvironment(_Base):
         """What smol enforces (Harbor checks each task's network policy and GPUs against this)."""
         return EnvironmentCapabilities(disable_internet=True, network_allowlist=True,
                                        network_allowlist_hostnames=True, network_allowlist_ipv4_addresses=True,
-                                       network_allowlist_ipv4_cidrs=True)
+                                       network_allowlist_ipv4_cidrs=True, dynamic_network_policy=True)
 
     @classmethod
     def resource_capabilities(cls) -> Any:
@@ -190,27 +193,53 @@ class SmolEnvironment(_Base):
                                  "with allowed_hosts in task.toml's [environment], or pass public_network=off to "
                                  "run such tasks with no network at all")
 
+    def _smol_policy(self, mode: str, hosts: list[str]) -> tuple[list[str], bool]:
+        """Harbor's (mode, allowed hosts) as smol's (allow entries, public); neither: no network."""
+        if mode == "allowlist":
+            return hosts, False
+        return [], mode == "public" and self._public_network == "on"
+
     def smolfile_toml(self) -> str:
-        """The Smolfile the machine is created from: the task's CPUs, memory and network policy."""
+        """The Smolfile the machine is created from: the task's CPUs, memory and startup network policy; when
+        that has no network but a phase's policy has, ``network = "closed"`` (a NIC with nothing allowed, opened
+        by set_network_policy in that phase)."""
         lines = []
         cpus, memory = self._effective_cpus, self._effective_memory_mb
         if cpus:
             lines.append(f"cpus = {max(1, math.ceil(float(cpus)))}")
         if memory:
             lines.append(f'memory = "{int(memory)}M"')
-        mode, hosts = self._policies()[0]
-        if mode == "allowlist" and hosts:
-            lines.append(f"network = {{ allow = [{', '.join(json.dumps(h) for h in hosts)}] }}")
-        elif mode == "public" and self._public_network == "on":
+        policies = [self._smol_policy(mode, hosts) for mode, hosts in self._policies()]
+        allow, public = policies[0]
+        if allow:
+            lines.append(f"network = {{ allow = [{', '.join(json.dumps(h) for h in allow)}] }}")
+        elif public:
             lines.append('network = "public"')
+        elif any(a or p for a, p in policies[1:]):
+            lines.append('network = "closed"')
         return "\n".join([*lines, "[timeouts]", "boot = 900", ""])
+
+    async def _apply_network_policy(self, network_policy: Any) -> None:
+        """Harbor switches policies between phases (dynamic_network_policy): the machine's policy is changed in
+        place (smold's SetNetworkPolicy: atomic, connections the new one does not allow are cut)."""
+        mode = network_policy.network_mode
+        allow, public = self._smol_policy(str(getattr(mode, "value", mode)), list(network_policy.allowed_hosts or []))
+        if self.machine_id is None:   # not started yet: start() creates the machine with the policy in force
+            return
+        if self._has_nic:
+            await self.client.set_network_policy(self.machine_id, allow=allow, public=public)
+        elif allow or public:
+            raise RuntimeError("smol environment: the machine was created without a network and cannot get one; "
+                               "this phase's network policy cannot be applied")
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     async def start(self, force_build: bool = False) -> None:
         assert self._task is not None
         name = f"harbor-{uuid.uuid4().hex[:12]}"
-        machine = await self.client.create(toml=self.smolfile_toml(), base_dir=self.environment_dir, name=name)
+        toml = self.smolfile_toml()
+        machine = await self.client.create(toml=toml, base_dir=self.environment_dir, name=name)
         self.machine_id = machine.id
+        self._has_nic = "\nnetwork = " in f"\n{toml}"
         try:
             await self._build(self._task, time.monotonic() + float(getattr(self.task_env_config, "build_timeout_sec",
                                                                             taskdir.DEFAULT_BUILD_TIMEOUT)))

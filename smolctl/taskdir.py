@@ -56,6 +56,9 @@ class Task:
     verifier_user: str = ""
     network_mode: str = "public"                            # Harbor's [environment] network_mode (its default)
     allowed_hosts: list[str] = field(default_factory=list)  # with network_mode = "allowlist"
+    # [agent] / [verifier] network_mode and allowed_hosts where they differ from the environment's (else None)
+    agent_network: tuple[str, list[str]] | None = None
+    verifier_network: tuple[str, list[str]] | None = None
 
 
 def _env(table: dict[str, Any], where: str) -> dict[str, str]:
@@ -99,11 +102,9 @@ def _number(table: dict[str, Any], key: str, default: float, where: str) -> floa
 NETWORK_MODES = ("public", "no-network", "allowlist")
 
 
-def _network(env: dict[str, Any], agent: dict[str, Any], verifier: dict[str, Any],
-             where: str) -> tuple[str, list[str]]:
-    """Harbor's network policy of the task: [environment] network_mode (default "public") and allowed_hosts,
-    or the deprecated allow_internet; per-phase policies must equal it (smol cannot change a running
-    machine's policy yet)."""
+def _network(env: dict[str, Any], where: str) -> tuple[str, list[str]]:
+    """Harbor's network policy of the task's environment: [environment] network_mode (default "public") and
+    allowed_hosts, or the deprecated allow_internet."""
     legacy = env.get("allow_internet")
     if legacy is not None and not isinstance(legacy, bool):
         raise TaskError(f"{where}: [environment] allow_internet must be true or false (got {legacy!r})")
@@ -116,18 +117,20 @@ def _network(env: dict[str, Any], agent: dict[str, Any], verifier: dict[str, Any
     elif legacy is not None and legacy != (mode == "public"):
         raise TaskError(f"{where}: [environment] allow_internet = {str(legacy).lower()} contradicts "
                         f"network_mode = {mode!r}; drop allow_internet (deprecated)")
-    hosts = _hosts(env, mode, f"{where}: [environment]")
-    for phase, table in (("agent", agent), ("verifier", verifier)):
-        if "network_mode" not in table and "allowed_hosts" not in table:
-            continue
-        phase_mode = table.get("network_mode")
-        if phase_mode not in NETWORK_MODES:
-            raise TaskError(f"{where}: [{phase}] network_mode must be one of {', '.join(NETWORK_MODES)} "
-                            f"(got {phase_mode!r})")
-        if (phase_mode, _hosts(table, phase_mode, f"{where}: [{phase}]")) != (mode, hosts):
-            raise TaskError(f"{where}: [{phase}] network_mode differs from [environment]'s: smol run-task cannot "
-                            "change a machine's network policy between phases yet")
-    return mode, hosts
+    return mode, _hosts(env, mode, f"{where}: [environment]")
+
+
+def _phase_network(table: dict[str, Any], phase: str, baseline: tuple[str, list[str]],
+                   where: str) -> tuple[str, list[str]] | None:
+    """An [agent] or [verifier] network policy (Harbor's phase override), or None when it has none or it is
+    the environment's."""
+    if "network_mode" not in table and "allowed_hosts" not in table:
+        return None
+    mode = table.get("network_mode")
+    if mode not in NETWORK_MODES:
+        raise TaskError(f"{where}: [{phase}] network_mode must be one of {', '.join(NETWORK_MODES)} (got {mode!r})")
+    policy = (mode, _hosts(table, mode, f"{where}: [{phase}]"))
+    return None if policy == baseline else policy
 
 
 def _hosts(table: dict[str, Any], mode: str, where: str) -> list[str]:
@@ -168,7 +171,9 @@ def load(path: Path) -> Task:
         workdir = env.get("workdir")
         if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
             raise TaskError(f"{where}: [environment] workdir must be an absolute path (got {workdir!r})")
-        task.network_mode, task.allowed_hosts = _network(env, agent, verifier, where)
+        task.network_mode, task.allowed_hosts = _network(env, where)
+        task.agent_network = _phase_network(agent, "agent", (task.network_mode, task.allowed_hosts), where)
+        task.verifier_network = _phase_network(verifier, "verifier", (task.network_mode, task.allowed_hosts), where)
         if "cpus" in env:  # a fraction of a CPU (Docker's --cpus) rounds up: a machine has whole vCPUs
             task.cpus = math.ceil(_number(env, "cpus", 1, f"{where}: [environment]"))
         if "memory_mb" in env:

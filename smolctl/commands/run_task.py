@@ -78,6 +78,21 @@ class _Runner:
                                "output_tail": out[-4096:].decode("utf-8", "replace")})
         return ok
 
+    def set_network(self, phase: str, msg: pb.NetworkPolicy | None) -> bool:
+        """Give the machine a phase's network policy (None: nothing to change), as a step."""
+        if msg is None:
+            return True
+        start = time.monotonic()
+        what = "public" if msg.public else ", ".join(msg.allow) if len(msg.allow) else "no network"
+        try:
+            self.stub.SetNetworkPolicy(pb.SetNetworkPolicyRequest(machine_id=self.machine_id, policy=msg))
+            ok, detail = True, what
+        except grpc.RpcError as e:
+            ok, detail = False, f"{what}: {e.details() if isinstance(e, grpc.Call) else e}"
+        self.steps.append({"name": f"network: {phase}", "ok": ok, "detail": detail,
+                           "duration_s": round(time.monotonic() - start, 3), "output_tail": ""})
+        return ok
+
     def copy_tar(self, archive: bytes, dest: str) -> None:
         self.stub.CopyIn(pb.CopyInRequest(machine_id=self.machine_id, path=dest, content=archive,
                                           format=pb.COPY_FORMAT_TAR, mkdirs=True))
@@ -153,10 +168,14 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
         sf.cpus = task.cpus
     if task.memory_mib is not None:
         sf.memory_mib = task.memory_mib
-    if task.network_mode == "public":        # Harbor's default: the internet, never the host (docs/networking.md)
-        sf.network.public = True
-    elif task.network_mode == "allowlist":   # no hosts: no network at all, as in Harbor
-        sf.network.allow.extend(task.allowed_hosts)
+    # Harbor's default is public: the internet, never the host (docs/networking.md). A phase whose policy
+    # differs gets it while it runs (SetNetworkPolicy); an offline environment with such a phase starts closed.
+    baseline = _policy(task.network_mode, task.allowed_hosts)
+    phases = [_policy(*p) for p in (task.agent_network, task.verifier_network) if p is not None]
+    if not baseline.closed:
+        sf.network.CopyFrom(baseline)
+    elif any(not p.closed for p in phases):
+        sf.network.closed = True
     name = f"task-{uuid.uuid4().hex[:12]}"
     started = time.monotonic()
     result: dict[str, Any] = {"task": task.name, "reward": None, "rewards": {}, "passed": False, "error": "",
@@ -210,7 +229,7 @@ def _run_task(r: _Runner, task: taskdir.Task) -> str:
                             "output_tail": ""})
         elif not r.exec(f"{label} RUN", list(step.args), cwd=step.workdir, env=dict(step.env),
                         timeout=deadline - time.monotonic()):
-            return f"{label}: the build step failed (smol builds Dockerfiles offline on its default image)"
+            return f"{label}: the build step failed (smol builds Dockerfiles on its default image)"
     r.copy_tar(_tar([(task.path / "solution", ".")]), "/solution")
     # /logs/* writable by every user, as Harbor's mounted log directories are (the agent or the tests may not be root)
     if not r.exec("setup: /logs and the working directory",
@@ -218,16 +237,34 @@ def _run_task(r: _Runner, task: taskdir.Task) -> str:
                    "chmod 0777 /logs/verifier /logs/agent", "sh", task.workdir], cwd="/", env={}, timeout=60,
                   quiet=True):
         return f"creating /logs/verifier, /logs/agent and {task.workdir or 'the working directory'} failed"
+    # Harbor's phase policies: the agent's (or the verifier's) while it runs, the environment's around them
+    baseline = _policy(task.network_mode, task.allowed_hosts)
+    agent_policy = _policy(*task.agent_network) if task.agent_network else None
+    if not r.set_network("agent", agent_policy):
+        return "the agent phase's network policy could not be applied"
     r.exec("agent: oracle solution/solve.sh", ["bash", "/solution/solve.sh"],
            cwd=task.workdir, env={**task.env, **task.solution_env}, timeout=task.agent_timeout, user=task.agent_user)
+    if not r.set_network("environment", baseline if agent_policy else None):
+        return "the environment's network policy could not be restored after the agent"
     r.copy_tar(_tar([(task.path / "tests", ".")]), "/tests")
     # Stale rewards go first (as Harbor does): a reward file the solution planted never becomes the verdict.
     if not r.exec("verifier: clear stale rewards", ["rm", "-f", "--", REWARD_TXT, REWARD_JSON], cwd="/", env={},
                   timeout=60, quiet=True):
         return "removing stale reward files before the tests failed"
+    if not r.set_network("verifier", _policy(*task.verifier_network) if task.verifier_network else None):
+        return "the verifier phase's network policy could not be applied"
     r.exec("verifier: tests/test.sh", ["bash", "/tests/test.sh"], cwd=task.workdir,
            env={**task.env, **task.verifier_env}, timeout=task.verifier_timeout, user=task.verifier_user)
     return ""
+
+
+def _policy(mode: str, hosts: list[str]) -> pb.NetworkPolicy:
+    """Harbor's (network_mode, allowed_hosts) as smol's policy; no network at all is ``closed``."""
+    if mode == "public":
+        return pb.NetworkPolicy(public=True)
+    if mode == "allowlist" and hosts:
+        return pb.NetworkPolicy(allow=hosts)
+    return pb.NetworkPolicy(closed=True)
 
 
 def _destroy(stub: pb_grpc.SmolStub, machine_id: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -112,6 +113,23 @@ def test_public_network_runs_public_unless_the_run_refuses_it_or_turns_it_off(da
     assert reward(result) == 1.0
 
 
+def test_phase_policies_change_the_machines_policy_in_place(daemon: DaemonProcess, tmp_path: Path) -> None:
+    """An offline environment whose verifier phase is public: the machine is created closed (a NIC, nothing
+    allowed), opened for the tests and closed again (dynamic_network_policy, smold's SetNetworkPolicy)."""
+    task = write_task(tmp_path, "phases", "echo $EXPECTED > answer.txt\n")
+    (task / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 30.0\n[verifier]\ntimeout_sec = 30.0\n'
+                                    'network_mode = "public"\n[environment]\nnetwork_mode = "no-network"\n')
+    r, result = trial(daemon, task, tmp_path / "t")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert reward(result) == 1.0
+    changes: dict[str, list[tuple[str, str]]] = {}
+    for mid, number, what in re.findall(r"machine (m-[0-9a-f]+): network policy (\d+): (.*)",
+                                        daemon.log.read_text(errors="replace")):
+        changes.setdefault(mid, []).append((number, what.strip()))
+    assert [("2", "public"), ("3", "nothing allowed")] in changes.values(), changes
+    assert machines(daemon) == []
+
+
 CHECK_POLICIES = r"""
 import json, sys
 from pathlib import Path
@@ -127,7 +145,11 @@ out = {"allow": make(network_mode=NetworkMode.ALLOWLIST,
        "public": make(network_mode=NetworkMode.PUBLIC).smolfile_toml(),
        "public, off": SmolEnvironment(env_dir, "t", "t__1", None, EnvironmentConfig(cpus=2, memory_mb=768),
                                       network_policy=NetworkPolicy(network_mode=NetworkMode.PUBLIC),
-                                      public_network="off").smolfile_toml()}
+                                      public_network="off").smolfile_toml(),
+       "phases": SmolEnvironment(env_dir, "t", "t__1", None, EnvironmentConfig(cpus=2, memory_mb=768),
+                                 network_policy=NetworkPolicy(network_mode=NetworkMode.NO_NETWORK),
+                                 phase_network_policies=[NetworkPolicy(network_mode=NetworkMode.PUBLIC)]
+                                 ).smolfile_toml()}
 for hosts in (["*.example.org"], ["2001:db8::1"]):
     try:
         make(network_mode=NetworkMode.ALLOWLIST, allowed_hosts=hosts)
@@ -150,5 +172,6 @@ def test_network_policies_become_the_smolfile_or_are_refused_by_harbor(daemon: D
     assert out["off"] == 'cpus = 2\nmemory = "768M"\n[timeouts]\nboot = 900\n'     # no NIC at all
     assert out["public"] == 'cpus = 2\nmemory = "768M"\nnetwork = "public"\n[timeouts]\nboot = 900\n'
     assert out["public, off"] == out["off"]
+    assert out["phases"] == 'cpus = 2\nmemory = "768M"\nnetwork = "closed"\n[timeouts]\nboot = 900\n'
     assert "wildcard hostnames is not supported" in out["*.example.org"]
     assert "IPv6 addresses is not supported" in out["2001:db8::1"]

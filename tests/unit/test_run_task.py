@@ -194,9 +194,30 @@ def test_network_policies_follow_harbors_task_spec(tmp_path: Path) -> None:
             ('[environment]\nnetwork_mode = "allowlist"\nallowed_hosts = "a.org"\n', "must be an array of strings"),
             ('[environment]\nnetwork_mode = "no-network"\nallow_internet = true\n', "contradicts"),
             ("[environment]\nallow_internet = 1\n", "allow_internet must be true or false"),
-            ('[agent]\nnetwork_mode = "no-network"\n', "[agent] network_mode differs from [environment]'s")):
+            ('[agent]\nnetwork_mode = "offline"\n', "[agent] network_mode must be one of"),
+            ('[verifier]\nallowed_hosts = ["a.org"]\n', "[verifier] network_mode must be one of")):
         with pytest.raises(taskdir.TaskError, match=re.escape(why)):
             load(toml)
+    # Harbor's phase overrides: kept where they differ from the environment's
+    task = write_task(tmp_path, "phases", "true\n")
+    (task / "task.toml").write_text('[environment]\nnetwork_mode = "no-network"\n[agent]\nnetwork_mode = "no-network"\n'
+                                    '[verifier]\nnetwork_mode = "allowlist"\nallowed_hosts = ["pypi.org"]\n')
+    t = taskdir.load(task)
+    assert (t.agent_network, t.verifier_network) == (None, ("allowlist", ["pypi.org"]))
+
+
+def test_phase_network_policies_are_applied_around_the_agent_and_the_tests(daemon: DaemonProcess,
+                                                                           tmp_path: Path) -> None:
+    task = write_task(tmp_path, "phases", "echo $EXPECTED > answer.txt\n")
+    with (task / "task.toml").open("a") as f:   # after write_task's [agent] table
+        f.write('network_mode = "no-network"\n')
+    code, out = run_task(daemon, task)
+    assert (code, out["reward"]) == (0, 1.0), out
+    steps = [(s["name"], s["detail"]) for s in out["steps"] if s["name"].startswith("network:")]
+    assert steps == [("network: agent", "no network"), ("network: environment", "public")]
+    log = daemon.log.read_text(errors="replace")
+    assert re.search(rf"machine {out['machine_id']}: network policy 2: nothing allowed", log)
+    assert re.search(rf"machine {out['machine_id']}: network policy 3: public", log)
 
 
 def test_refusals(daemon: DaemonProcess, tmp_path: Path) -> None:
