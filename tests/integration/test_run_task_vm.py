@@ -44,6 +44,38 @@ open("/logs/verifier/reward.txt", "w").write("1" if ok else "0")
 PROBE
 """
 HOST_PORT = 9191
+# The oracle of the phases task: it tries the test internet (offline: must fail), then answers.
+AGENT_TRIES = r"""python3 - <<'PROBE'
+import socket
+try:
+    with socket.create_connection(("@INTERNET@", 8080), timeout=5) as s:
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        got = s.recv(64).decode(errors="replace").strip().replace(" ", "_") or "empty"
+except OSError as e:
+    got = type(e).__name__
+open("/app/agent-net.txt", "w").write(got)
+PROBE
+echo $EXPECTED > answer.txt
+"""
+# Its tests: the answer, the agent's attempt refused, the internet reached now, the metadata address not.
+PHASE_TEST = r"""#!/bin/bash
+python3 - <<'PROBE'
+import socket
+def get(addr, port):
+    try:
+        with socket.create_connection((addr, port), timeout=3) as s:
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            return s.recv(64).decode(errors="replace").strip().replace(" ", "_") or "empty"
+    except OSError as e:
+        return type(e).__name__
+answer, agent = open("/app/answer.txt").read().strip(), open("/app/agent-net.txt").read().strip()
+seen = [get("@INTERNET@", 8080), get("169.254.169.254", 8080)]
+print("probe:", answer, agent, *seen)
+ok = (answer == "42" and not agent.startswith("HTTP") and seen[0] == "HTTP/1.0_200_peer_@HOST_I@"
+      and not seen[1].startswith("HTTP"))
+open("/logs/verifier/reward.txt", "w").write("1" if ok else "0")
+PROBE
+"""
 
 
 def test_run_task_on_a_vm() -> None:
@@ -87,14 +119,25 @@ HARBOR_PYTHON = os.environ.get("SMOL_HARBOR_PYTHON", "")
 
 @pytest.mark.skipif(not HARBOR_PYTHON and not os.environ.get("CI"), reason="SMOL_HARBOR_PYTHON is not set")
 def test_harbor_trial_on_a_vm() -> None:
+    """The real Harbor's trial of an offline task whose verifier phase is public, on a VM: the oracle's attempt
+    to reach the test internet fails (smol's policy: the machine is created closed), the tests reach it
+    (the policy switched in place for the verifier phase) and still not 169.254.169.254."""
+    from test_net_host import internet_hosts
+
     assert HARBOR_PYTHON, "CI must set SMOL_HARBOR_PYTHON (.ci/harbor-python builds it)"
     d = Path(tempfile.mkdtemp(prefix="smht-", dir="/tmp"))
-    daemon = Daemon(d).start()
+    hosts = contextlib.ExitStack()
+    daemon = Daemon(d, "--net-pool", "10.214.21.0/28").start()
     try:
-        task = write_task(d, "vm-harbor", "echo $EXPECTED > answer.txt\n",
-                          files={"seed.txt": "seed\n"},
+        net = hosts.enter_context(internet_hosts(d.name[-4:], "198.51.100.0/24", "169.254.169.252/30", HOST_PORT))
+        fill = {"@INTERNET@": net["addr_i"], "@HOST_I@": net["host_i"]}
+        solve, test = AGENT_TRIES, PHASE_TEST
+        for k, v in fill.items():
+            solve, test = solve.replace(k, v), test.replace(k, v)
+        task = write_task(d, "vm-harbor", solve, test=test, files={"seed.txt": "seed\n"},
                           dockerfile="FROM debian:bookworm\nWORKDIR /app\nENV EXPECTED=42\nCOPY seed.txt /app/\n")
-        (task / "task.toml").write_text("[agent]\ntimeout_sec = 600.0\n[verifier]\ntimeout_sec = 600.0\n"
+        (task / "task.toml").write_text('[agent]\ntimeout_sec = 600.0\n[verifier]\ntimeout_sec = 600.0\n'
+                                        'network_mode = "public"\n'
                                         f'[environment]\nmemory_mb = 512\ncpus = {VM_CPUS}\nnetwork_mode = "no-network"\n'
                                         "build_timeout_sec = 1500.0\n")
         t0 = time.monotonic()
@@ -107,10 +150,14 @@ def test_harbor_trial_on_a_vm() -> None:
         print(f"\nHarbor trial on a VM: {time.monotonic() - t0:.1f}s")
         assert r.returncode == 0, r.stdout + r.stderr
         result = json.loads((d / "trials" / "vm-harbor__1" / "result.json").read_text())
-        assert result["verifier_result"]["rewards"]["reward"] == 1.0, result
-        assert (d / "trials" / "vm-harbor__1" / "verifier" / "reward.txt").read_text().strip() == "1"
+        assert result["verifier_result"]["rewards"]["reward"] == 1.0, \
+            (result, [p.read_text(errors="replace")[-2000:] for p in (d / "trials").glob("vm-harbor__1/verifier/*")])
+        verifier = d / "trials" / "vm-harbor__1" / "verifier"
+        assert (verifier / "reward.txt").read_text().strip() == "1", \
+            [p.read_text(errors="replace")[-2000:] for p in verifier.glob("*.txt")]
         assert json.loads(daemon.smolctl("ls", "--json").stdout) == []   # the trial destroyed its machine
     finally:
+        hosts.close()
         daemon.terminate()
         for pid in vmm_processes(d):
             os.kill(pid, signal.SIGKILL)
