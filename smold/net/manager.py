@@ -337,6 +337,8 @@ class NetworkManager:
             self._add_name_addresses(net, name, addrs)
 
     def _add_name_addresses(self, net: VmNetwork, name: str, addrs: Iterable[ipaddress.IPv4Address]) -> None:
+        if name not in net.resolved.name_ports:   # a name of a policy replaced meanwhile (update): allow nothing
+            return
         plain: list[str] = []
         with_port: list[str] = []
         nets = list(net.resolved.allowed.networks)
@@ -419,6 +421,8 @@ class NetworkManager:
             await self.teardown(net)
         else:
             await asyncio.to_thread(remove_network, namespace_name(machine_id), host_if_name(machine_id))
+            if self.host_rules:
+                await asyncio.to_thread(remove_public_uplink, host_if_name(machine_id))
 
     def leftovers(self, machine_id: str) -> list[str]:
         """What of a machine's network still exists (should be nothing after teardown)."""
@@ -434,6 +438,8 @@ class NetworkManager:
             for ns in netns.list_namespaces():
                 if ns.startswith(NS_PREFIX) and ns[len(NS_PREFIX):] not in keep_suffixes:
                     remove_network(ns, HOST_IF_PREFIX + ns[len(NS_PREFIX):])
+                    if self.host_rules:
+                        remove_public_uplink(HOST_IF_PREFIX + ns[len(NS_PREFIX):])
                     removed.append(ns)
             for link in netns.list_links(HOST_IF_PREFIX) + netns.list_links(PEER_IF_PREFIX):
                 if link[3:] not in keep_suffixes and len(link) == 15:

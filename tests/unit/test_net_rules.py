@@ -210,3 +210,14 @@ def test_smolctl_shows_what_the_run_was_refused() -> None:
                                       "  denied  icmp 10.0.0.6  (1 packets)",
                                       "  denied  dns evil.test  (2 queries)"]
     assert "network:" not in run_result(pb.RunResponse(machine_id="m-1"))
+
+
+def test_addresses_of_a_name_the_policy_no_longer_lists_are_never_allowed() -> None:
+    """A lookup that finishes after the machine's policy changed (NetworkManager.update) must not open the new
+    policy to the old name's addresses (the name's ports would default to any port)."""
+    from smold.net.manager import NetworkManager, VmNetwork
+    mgr = NetworkManager(AddressPool("10.214.0.0/28"), resolve=lambda n: [])
+    resolved = resolve_policy(policy("10.9.0.0/16"))
+    net = VmNetwork("m-0123456789ab", "smol-no-such-namespace", "smh0123456789ab", mgr.pool.allocate("m-x"), resolved)
+    mgr._add_name_addresses(net, "old.example.test", [A("203.0.113.9")])   # no nft call (the namespace is absent)
+    assert net.resolved == resolved
