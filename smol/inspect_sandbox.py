@@ -17,17 +17,20 @@ from inspect_ai.util import (
     SandboxEnvironment,
     SandboxEnvironmentConfigType,
     SandboxEnvironmentLimits,
+    SandboxUnavailableError,
     sandboxenv,
 )
 from pydantic import BaseModel
 
 from .aio import AsyncClient
 from .errors import (
+    FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
     SmolError,
+    UnavailableError,
 )
 from .types import Exit, Stderr, Stdout
 
@@ -167,8 +170,11 @@ class SmolSandboxEnvironment(SandboxEnvironment):
     async def exec(self, cmd: list[str], input: str | bytes | None = None, cwd: str | None = None,
                    env: dict[str, str] | None = None, user: str | None = None, timeout: int | None = None,
                    timeout_retry: bool = True, concurrency: bool = True) -> ExecResult[str]:
+        """As Inspect's Docker provider: each stream keeps its last MAX_EXEC_OUTPUT_SIZE bytes (the command
+        runs to its end), output is decoded with undecodable bytes replaced, and a machine that is gone or
+        unreachable raises SandboxUnavailableError (a missing executable is exit 127, as in a shell)."""
         limit = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
-        out, err = bytearray(), bytearray()
+        out, err = _Tail(limit), _Tail(limit)
         done: Exit | None = None
         stream = self.client.exec_stream(self.machine_id, cmd, env=env, cwd=self._path(cwd or "."), user=user,
                                          stdin=input, timeout=timeout)
@@ -176,26 +182,28 @@ class SmolSandboxEnvironment(SandboxEnvironment):
             async with contextlib.aclosing(stream):
                 async for event in stream:
                     if isinstance(event, Stdout):
-                        out += event.data
+                        out.add(event.data)
                     elif isinstance(event, Stderr):
-                        err += event.data
+                        err.add(event.data)
                     else:
                         done = event
-                    if len(out) + len(err) > limit:  # leaving the stream kills the command
-                        raise OutputLimitExceededError(
-                            SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE_STR,
-                            truncated_output=bytes(out + err)[:limit].decode("utf-8", errors="replace"))
         except PermissionDeniedError as e:
             raise PermissionError(errno.EACCES, f"cannot run {cmd[0]!r}: {e.details}", cmd[0]) from None
-        except NotFoundError as e:  # no such executable or working directory: a failed command, as in a shell
-            return ExecResult(False, 127, "", f"{cmd[0]}: {e.details}")
+        except NotFoundError as e:
+            if e.guest_code is None:   # the machine itself is gone
+                raise SandboxUnavailableError(f"the smol machine {self.machine_id} is gone: {e.details}") from None
+            return ExecResult(False, 127, "", f"{cmd[0]}: {e.details}")  # no such executable or working directory
+        except (UnavailableError, FailedPreconditionError) as e:   # stopped, failed, destroyed, agent unreachable
+            raise SandboxUnavailableError(f"the smol machine {self.machine_id} cannot run commands: "
+                                          f"{e.details}") from None
         except InvalidArgumentError as e:
             if user and "unknown user" in e.details:  # an Inspect convention: a failed result naming the user
                 return ExecResult(False, 1, "", f"unknown user: {user} ({e.details})")
             raise
         if done is None:
-            raise RuntimeError(f"exec in machine {self.machine_id}: the stream ended without an exit status")
-        stdout, stderr = bytes(out).decode("utf-8"), bytes(err).decode("utf-8")  # UnicodeDecodeError per the API
+            raise SandboxUnavailableError(f"exec in machine {self.machine_id}: the stream ended without an exit "
+                                          "status")
+        stdout, stderr = out.text(), err.text()
         if done.timed_out:
             timeout_error = TimeoutError(f"Command timed out after {timeout} seconds")
             if stdout or stderr:
@@ -241,6 +249,21 @@ class SmolSandboxEnvironment(SandboxEnvironment):
         except SmolError as e:
             raise _os_error(e, file) from None
         return data.decode("utf-8") if text else data
+
+
+class _Tail:
+    """The last ``limit`` bytes of a stream (older bytes are dropped, as Inspect's subprocess does)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.buf = limit, bytearray()
+
+    def add(self, data: bytes) -> None:
+        self.buf += data
+        if len(self.buf) > 2 * self.limit:   # trimmed in batches: amortized O(1) per byte
+            del self.buf[:-self.limit]
+
+    def text(self) -> str:
+        return bytes(self.buf[-self.limit:]).decode("utf-8", errors="replace")
 
 
 def _os_error(e: SmolError, file: str) -> Exception:

@@ -104,13 +104,32 @@ async def test_cli_cleanup_destroys_only_inspect_machines(daemon: DaemonProcess,
     await SmolSandboxEnvironment.task_cleanup("t", config, cleanup=True)
 
 
-async def test_exec_output_limit(sandbox_env: SmolSandboxEnvironment) -> None:
-    from inspect_ai.util import OutputLimitExceededError
+async def test_exec_output_over_the_limit_keeps_each_streams_tail(sandbox_env: SmolSandboxEnvironment,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """As Inspect's Docker provider: the command runs to its end, each stream keeps its last bytes."""
     from inspect_ai.util._sandbox.limits import SandboxEnvironmentLimits
-    with pytest.raises(OutputLimitExceededError):
-        await sandbox_env.exec(["sh", "-c", f"head -c {SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE + 1} /dev/zero"])
+    monkeypatch.setattr(SandboxEnvironmentLimits, "MAX_EXEC_OUTPUT_SIZE", 1000)
+    script = ("i=0; while [ $i -lt 300 ]; do printf 'out%04d\\n' $i; printf 'err%04d\\n' $i >&2; i=$((i+1)); done; "
+              "echo done > ran-to-the-end")
+    r = await sandbox_env.exec(["sh", "-c", script])
+    assert r.success
+    assert len(r.stdout) == 1000 and r.stdout.endswith("out0298\nout0299\n") and "out0000" not in r.stdout
+    assert len(r.stderr) == 1000 and r.stderr.endswith("err0299\n")
+    assert (await sandbox_env.read_file("ran-to-the-end")).strip() == "done"
 
 
-async def test_exec_undecodable_output(sandbox_env: SmolSandboxEnvironment) -> None:
-    with pytest.raises(UnicodeDecodeError):
-        await sandbox_env.exec(["printf", "\\303\\050"])
+async def test_exec_undecodable_output_is_replaced(sandbox_env: SmolSandboxEnvironment) -> None:
+    r = await sandbox_env.exec(["sh", "-c", "printf '\\303\\050'; printf 'ok\\377' >&2"])
+    assert (r.stdout, r.stderr) == ("\ufffd(", "ok\ufffd")
+
+
+async def test_exec_on_a_machine_that_is_gone_raises_sandbox_unavailable(daemon: DaemonProcess) -> None:
+    from inspect_ai.util import SandboxUnavailableError
+    config = _config(daemon, "gone")
+    envs = await SmolSandboxEnvironment.sample_init("gone", config, {})
+    env = envs["default"]
+    assert isinstance(env, SmolSandboxEnvironment)
+    assert (await env.exec(["no-such-program"])).returncode == 127   # a missing executable is not the machine
+    await SmolSandboxEnvironment.sample_cleanup("gone", config, envs, False)
+    with pytest.raises(SandboxUnavailableError, match=f"the smol machine {env.machine_id}"):
+        await env.exec(["true"])
