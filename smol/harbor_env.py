@@ -16,7 +16,7 @@ import tarfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from smolctl import taskdir
 
@@ -30,6 +30,7 @@ try:  # pragma: no cover - depends on whether Harbor is installed
         EnvironmentCapabilities,
         EnvironmentResourceCapabilities,
     )
+    from harbor.environments.options import EnvironmentOptions  # type: ignore[import-not-found]
     HAVE_HARBOR = True
 except ImportError:
     HAVE_HARBOR = False
@@ -110,6 +111,15 @@ class SmolEnvironmentType(enum.StrEnum):
     SMOL = "smol"
 
 
+if HAVE_HARBOR:
+    class SmolEnvironmentOptions(EnvironmentOptions):  # type: ignore[misc,valid-type]
+        """The --environment-kwarg options of the smol environment, validated by Harbor before any trial is
+        queued (an unknown or misspelt option is an error there, not a surprise in the first trial)."""
+
+        socket: str | None = None                               # smold's socket (else $SMOL_SOCKET)
+        public_network: Literal["on", "refuse", "off"] = "on"   # what network_mode = "public" becomes
+
+
 class SmolEnvironment(_Base):
     """A Harbor trial's environment in a fresh smol microVM, built from the task's environment/Dockerfile.
 
@@ -128,6 +138,8 @@ class SmolEnvironment(_Base):
     """
 
     PUBLIC_NETWORK = ("on", "refuse", "off")
+    if HAVE_HARBOR:
+        options_model = SmolEnvironmentOptions
 
     def __init__(self, *args: Any, socket: str | None = None, public_network: str = "on",
                  **kwargs: Any) -> None:

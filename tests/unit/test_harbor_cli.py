@@ -175,3 +175,32 @@ def test_network_policies_become_the_smolfile_or_are_refused_by_harbor(daemon: D
     assert out["phases"] == 'cpus = 2\nmemory = "768M"\nnetwork = "closed"\n[timeouts]\nboot = 900\n'
     assert "wildcard hostnames is not supported" in out["*.example.org"]
     assert "IPv6 addresses is not supported" in out["2001:db8::1"]
+
+
+CHECK_OPTIONS = r"""
+import json
+from smol.harbor_env import SmolEnvironment
+out = {}
+for name, kwargs in (("ok", {"socket": "/run/x.sock", "public_network": "off"}), ("bad", {"public_network": "maybe"}),
+                     ("typo", {"sokcet": "/run/x.sock"})):
+    try:
+        SmolEnvironment.preflight(kwargs)
+        out[name] = "accepted"
+    except ValueError as e:
+        out[name] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_environment_kwargs_are_typed_and_checked_before_any_trial(daemon: DaemonProcess, tmp_path: Path) -> None:
+    r = subprocess.run([HARBOR_PYTHON, "-c", CHECK_OPTIONS], capture_output=True, text=True, timeout=120,
+                       env=harbor_env(daemon, tmp_path))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] == "accepted"
+    assert "public_network" in out["bad"] and "'on', 'refuse' or 'off'" in out["bad"], out["bad"]
+    assert "Unknown option 'sokcet'" in out["typo"], out["typo"]
+    task = write_task(tmp_path, "typo", "echo $EXPECTED > answer.txt\n")
+    r2, _ = trial(daemon, task, tmp_path / "t", "--environment-kwarg", "sokcet=/run/x.sock")
+    assert r2.returncode != 0 and "Unknown option 'sokcet'" in " ".join((r2.stdout + r2.stderr).split())
+    assert machines(daemon) == []
