@@ -102,7 +102,6 @@ except ImportError:
         def _effective_memory_mb(self) -> int | None:
             return getattr(self.task_env_config, "memory_mb", None)
 
-TIMEOUT_EXIT = 124  # as timeout(1): what exec returns when timeout_sec passes
 
 
 class SmolEnvironmentType(enum.StrEnum):
@@ -304,9 +303,8 @@ class SmolEnvironment(_Base):
         res = await self.client.exec(self._id, ["bash", "-c", command], cwd=workdir, env=self._merge_env(env),
                                      user=None if user is None else str(user), timeout=timeout_sec)
         stdout, stderr = res.stdout.decode(errors="replace"), res.stderr.decode(errors="replace")
-        if res.timed_out:
-            return ExecResult(stdout=stdout, stderr=stderr + f"\ncommand timed out after {timeout_sec}s\n",
-                              return_code=TIMEOUT_EXIT)
+        if res.timed_out:   # as Harbor's Docker environment (the command and its children are killed first)
+            raise RuntimeError(f"Command timed out after {timeout_sec} seconds")
         return ExecResult(stdout=stdout, stderr=stderr, return_code=res.returncode)
 
     # --- files ------------------------------------------------------------------------------------------------
