@@ -37,6 +37,24 @@ class Step:
     line: int
 
 
+@dataclass(frozen=True)
+class TaskStep:
+    """One step of a multi-step task ([[steps]], Harbor 0.26): steps/<name>/ holds its instruction, solution,
+    tests and an optional workdir/ (with setup.sh) staged into the working directory before the step runs."""
+
+    name: str
+    agent_timeout: float
+    verifier_timeout: float
+    agent_user: str
+    verifier_user: str
+    min_reward: dict[str, float] | None   # stop after this step unless every named reward reaches its value
+
+
+# Harbor's step names (harbor.models.task.config.validate_step_name): a portable directory name.
+_STEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+REWARD_STRATEGIES = ("mean", "final")
+
+
 @dataclass
 class Task:
     path: Path
@@ -59,6 +77,8 @@ class Task:
     # [agent] / [verifier] network_mode and allowed_hosts where they differ from the environment's (else None)
     agent_network: tuple[str, list[str]] | None = None
     verifier_network: tuple[str, list[str]] | None = None
+    task_steps: list[TaskStep] = field(default_factory=list)   # a multi-step task's [[steps]], in order
+    reward_strategy: str = "mean"          # multi_step_reward_strategy: "mean" per key over steps, or "final"
 
 
 def _env(table: dict[str, Any], where: str) -> dict[str, str]:
@@ -148,16 +168,19 @@ def load(path: Path) -> Task:
     """Read and check a task directory; TaskError says what smol cannot do with it."""
     if not path.is_dir():
         raise TaskError(f"{path}: not a directory")
-    for need in ("tests/test.sh", "solution/solve.sh"):
-        if not (path / need).is_file():
-            raise TaskError(f"{path}: {need} is missing")
     task = Task(path=path, name=path.resolve().name)
     toml_path = path / "task.toml"
+    doc: dict[str, Any] = {}
     if toml_path.exists():
         try:
             doc = tomllib.loads(toml_path.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise TaskError(f"{toml_path}: {e}") from None
+    if "steps" not in doc:
+        for need in ("tests/test.sh", "solution/solve.sh"):
+            if not (path / need).is_file():
+                raise TaskError(f"{path}: {need} is missing")
+    if toml_path.exists():
         where = str(toml_path)
         agent, verifier, env = doc.get("agent", {}), doc.get("verifier", {}), doc.get("environment", {})
         task.agent_timeout = _number(agent, "timeout_sec", DEFAULT_AGENT_TIMEOUT, f"{where}: [agent]")
@@ -195,7 +218,57 @@ def load(path: Path) -> Task:
     task.env.update(environment_env)  # [environment.env] over the Dockerfile's ENV (Harbor: the container's env)
     if workdir is not None:
         task.workdir = posixpath.normpath(workdir)  # [environment] workdir overrides WORKDIR
+    if "steps" in doc:
+        task.task_steps = _steps(task, doc, str(toml_path))
+        strategy = doc.get("multi_step_reward_strategy", "mean")
+        if strategy not in REWARD_STRATEGIES:
+            raise TaskError(f"{toml_path}: multi_step_reward_strategy must be one of {', '.join(REWARD_STRATEGIES)} "
+                            f"(got {strategy!r})")
+        task.reward_strategy = strategy
     return task
+
+
+def _steps(task: Task, doc: dict[str, Any], where: str) -> list[TaskStep]:
+    """A multi-step task's [[steps]]: each a portable, unique name with steps/<name>/solution/solve.sh and
+    steps/<name>/tests/test.sh; its [steps.agent] / [steps.verifier] timeout_sec and user override the
+    task's; min_reward a number (the "reward" key) or a table of numbers."""
+    raw = doc["steps"]
+    if not isinstance(raw, list) or not raw or not all(isinstance(t, dict) for t in raw):
+        raise TaskError(f"{where}: steps must be a non-empty array of tables ([[steps]])")
+    out: list[TaskStep] = []
+    seen: set[str] = set()
+    for i, table in enumerate(raw):
+        at = f"{where}: steps[{i}]"
+        name = table.get("name")
+        if not isinstance(name, str) or not _STEP_NAME.fullmatch(name) or ".." in name:
+            raise TaskError(f"{at}: name must be a portable directory name (letters, digits, '._-'; got {name!r})")
+        if name.lower() in seen:
+            raise TaskError(f"{at}: step name {name!r} is used twice")
+        seen.add(name.lower())
+        for need in ("solution/solve.sh", "tests/test.sh"):
+            if not (task.path / "steps" / name / need).is_file():
+                raise TaskError(f"{task.path}: steps/{name}/{need} is missing")
+        agent, verifier = table.get("agent", {}), table.get("verifier", {})
+        if not isinstance(agent, dict) or not isinstance(verifier, dict):
+            raise TaskError(f"{at}: agent and verifier must be tables")
+        for phase, t in (("agent", agent), ("verifier", verifier)):
+            if "network_mode" in t or "allowed_hosts" in t:
+                raise TaskError(f"{at}.{phase}: a step's own network policy is not supported by smol run-task yet "
+                                "(the task-level [agent]/[verifier] network_mode is)")
+        min_reward = table.get("min_reward")
+        if min_reward is not None:
+            pairs = min_reward.items() if isinstance(min_reward, dict) else [("reward", min_reward)]
+            if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for _, v in pairs):
+                raise TaskError(f"{at}: min_reward must be a number or a table of numbers (got {min_reward!r})")
+            min_reward = {str(k): float(v) for k, v in pairs}
+        out.append(TaskStep(
+            name=name,
+            agent_timeout=_number(agent, "timeout_sec", task.agent_timeout, f"{at}.agent"),
+            verifier_timeout=_number(verifier, "timeout_sec", task.verifier_timeout, f"{at}.verifier"),
+            agent_user=_user(agent, f"{at}.agent") or task.agent_user,
+            verifier_user=_user(verifier, f"{at}.verifier") or task.verifier_user,
+            min_reward=min_reward))
+    return out
 
 
 def _logical_lines(text: str) -> list[tuple[int, str]]:

@@ -93,6 +93,21 @@ class _Runner:
                            "duration_s": round(time.monotonic() - start, 3), "output_tail": ""})
         return ok
 
+    def output(self, argv: list[str], cwd: str) -> str:
+        """A housekeeping command's stdout ("" if it fails)."""
+        out = bytearray()
+        code: int | None = None
+        try:
+            for msg in self.stub.Exec(pb.ExecRequest(machine_id=self.machine_id, argv=argv, cwd=cwd,
+                                                     timeout_seconds=60)):
+                if msg.WhichOneof("event") == "stdout":
+                    out += msg.stdout
+                elif msg.WhichOneof("event") == "exit":
+                    code = msg.exit.exit_code if msg.exit.HasField("exit_code") else None
+        except grpc.RpcError:
+            return ""
+        return out.decode("utf-8", "replace").strip() if code == 0 else ""
+
     def copy_tar(self, archive: bytes, dest: str) -> None:
         self.stub.CopyIn(pb.CopyInRequest(machine_id=self.machine_id, path=dest, content=archive,
                                           format=pb.COPY_FORMAT_TAR, mkdirs=True))
@@ -188,9 +203,12 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
     result["machine_id"] = machine.id
     r = _Runner(stub, machine.id)
     try:
-        result["error"] = _run_task(r, task)
-        if not result["error"]:
-            result["reward"], result["rewards"], result["error"] = _reward(stub, machine.id)
+        if task.task_steps:
+            result["reward"], result["rewards"], result["error"], result["step_results"] = _run_steps(r, task)
+        else:
+            result["error"] = _run_task(r, task)
+            if not result["error"]:
+                result["reward"], result["rewards"], result["error"] = _reward(stub, machine.id)
     finally:
         if not args.keep:
             _destroy(stub, machine.id)
@@ -205,6 +223,9 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
             if not s["ok"] and s["output_tail"].strip():
                 for line in s["output_tail"].rstrip().splitlines()[-20:]:
                     print(f"      | {line}")
+        for st in result.get("step_results", []):
+            shown = "-" if st["reward"] is None else f"{st['reward']:g}"
+            print(f"step  {st['name']}  reward {shown}" + (f"  ({st['error']})" if st["error"] else ""))
         if result["error"]:
             print(f"error: {result['error']}")
         reward = "-" if result["reward"] is None else f"{result['reward']:g}"
@@ -215,8 +236,8 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
     return 0 if result["passed"] else 1
 
 
-def _run_task(r: _Runner, task: taskdir.Task) -> str:
-    """Build the environment, run the oracle, run the tests; the reason it stopped early, or ""."""
+def _build(r: _Runner, task: taskdir.Task) -> str:
+    """The environment: the Dockerfile's steps, /logs and the working directory; the reason it failed, or ""."""
     deadline = time.monotonic() + task.build_timeout
     for step in task.steps:
         label = f"environment: Dockerfile line {step.line}"
@@ -230,32 +251,104 @@ def _run_task(r: _Runner, task: taskdir.Task) -> str:
         elif not r.exec(f"{label} RUN", list(step.args), cwd=step.workdir, env=dict(step.env),
                         timeout=deadline - time.monotonic()):
             return f"{label}: the build step failed (smol builds Dockerfiles on its default image)"
-    r.copy_tar(_tar([(task.path / "solution", ".")]), "/solution")
     # /logs/* writable by every user, as Harbor's mounted log directories are (the agent or the tests may not be root)
     if not r.exec("setup: /logs and the working directory",
                   ["sh", "-c", 'mkdir -p -- /logs/verifier /logs/agent ${1:+"$1"} && '
                    "chmod 0777 /logs/verifier /logs/agent", "sh", task.workdir], cwd="/", env={}, timeout=60,
                   quiet=True):
         return f"creating /logs/verifier, /logs/agent and {task.workdir or 'the working directory'} failed"
+    return ""
+
+
+def _agent_and_tests(r: _Runner, task: taskdir.Task, src: Path, *, agent_timeout: float, verifier_timeout: float,
+                     agent_user: str, verifier_user: str, label: str = "") -> str:
+    """The oracle (src/solution/solve.sh as /solution) and the tests (src/tests as /tests), each under its phase's
+    network policy; the reason it stopped early, or "" (the tests then wrote the reward, or failed to)."""
+    r.copy_tar(_tar([(src / "solution", ".")]), "/solution")
     # Harbor's phase policies: the agent's (or the verifier's) while it runs, the environment's around them
     baseline = _policy(task.network_mode, task.allowed_hosts)
     agent_policy = _policy(*task.agent_network) if task.agent_network else None
-    if not r.set_network("agent", agent_policy):
+    if not r.set_network(f"{label}agent", agent_policy):
         return "the agent phase's network policy could not be applied"
-    r.exec("agent: oracle solution/solve.sh", ["bash", "/solution/solve.sh"],
-           cwd=task.workdir, env={**task.env, **task.solution_env}, timeout=task.agent_timeout, user=task.agent_user)
-    if not r.set_network("environment", baseline if agent_policy else None):
+    r.exec(f"{label}agent: oracle solution/solve.sh", ["bash", "/solution/solve.sh"],
+           cwd=task.workdir, env={**task.env, **task.solution_env}, timeout=agent_timeout, user=agent_user)
+    if not r.set_network(f"{label}environment", baseline if agent_policy else None):
         return "the environment's network policy could not be restored after the agent"
-    r.copy_tar(_tar([(task.path / "tests", ".")]), "/tests")
+    r.copy_tar(_tar([(src / "tests", ".")]), "/tests")
     # Stale rewards go first (as Harbor does): a reward file the solution planted never becomes the verdict.
-    if not r.exec("verifier: clear stale rewards", ["rm", "-f", "--", REWARD_TXT, REWARD_JSON], cwd="/", env={},
-                  timeout=60, quiet=True):
+    if not r.exec(f"{label}verifier: clear stale rewards", ["rm", "-f", "--", REWARD_TXT, REWARD_JSON], cwd="/",
+                  env={}, timeout=60, quiet=True):
         return "removing stale reward files before the tests failed"
-    if not r.set_network("verifier", _policy(*task.verifier_network) if task.verifier_network else None):
+    verifier_policy = _policy(*task.verifier_network) if task.verifier_network else None
+    if not r.set_network(f"{label}verifier", verifier_policy):
         return "the verifier phase's network policy could not be applied"
-    r.exec("verifier: tests/test.sh", ["bash", "/tests/test.sh"], cwd=task.workdir,
-           env={**task.env, **task.verifier_env}, timeout=task.verifier_timeout, user=task.verifier_user)
+    r.exec(f"{label}verifier: tests/test.sh", ["bash", "/tests/test.sh"], cwd=task.workdir,
+           env={**task.env, **task.verifier_env}, timeout=verifier_timeout, user=verifier_user)
+    if not r.set_network(f"{label}environment", baseline if verifier_policy else None):
+        return "the environment's network policy could not be restored after the tests"
     return ""
+
+
+def _run_task(r: _Runner, task: taskdir.Task) -> str:
+    """Build the environment, run the oracle, run the tests; the reason it stopped early, or ""."""
+    return _build(r, task) or _agent_and_tests(
+        r, task, task.path, agent_timeout=task.agent_timeout, verifier_timeout=task.verifier_timeout,
+        agent_user=task.agent_user, verifier_user=task.verifier_user)
+
+
+def _run_steps(r: _Runner, task: taskdir.Task) -> tuple[float | None, dict[str, float], str, list[dict[str, Any]]]:
+    """A multi-step task (Harbor's MultiStepTrial): for each step, its workdir/ staged into the working directory
+    and its setup.sh run, its oracle and its tests (the previous step's /tests and /logs/verifier emptied
+    first); a step whose rewards miss its min_reward ends the run. The task's rewards: per key, the mean over
+    the steps that have rewards (a key a step lacks counts 0), or the last step's ("final")."""
+    results: list[dict[str, Any]] = []
+    error = _build(r, task)
+    if error:
+        return None, {}, error, results
+    pwd = task.workdir or r.output(["pwd"], "") or "/"   # "": the image's WorkingDir (docker_image)
+    for i, st in enumerate(task.task_steps):
+        label = f"step {st.name}: "
+        record: dict[str, Any] = {"name": st.name, "reward": None, "rewards": {}, "error": ""}
+        results.append(record)
+        src = task.path / "steps" / st.name
+        if i and not r.exec(f"{label}reset /tests and /logs/verifier",
+                            ["sh", "-c", "mkdir -p /tests /logs/verifier && find /tests /logs/verifier -mindepth 1 "
+                             "-delete && chmod 0777 /logs/verifier"], cwd="/",
+                            env={}, timeout=60, quiet=True):
+            record["error"] = "emptying the previous step's /tests and /logs/verifier failed"
+            break
+        if (src / "workdir").is_dir():
+            r.copy_tar(_tar([(src / "workdir", ".")]), pwd)
+            if (src / "workdir" / "setup.sh").is_file() and not r.exec(
+                    f"{label}setup.sh", ["bash", "setup.sh"], cwd=pwd, env=dict(task.env), timeout=st.agent_timeout,
+                    user=st.agent_user):
+                record["error"] = f"steps/{st.name}/workdir/setup.sh failed"
+        if not record["error"]:
+            record["error"] = _agent_and_tests(
+                r, task, src, agent_timeout=st.agent_timeout, verifier_timeout=st.verifier_timeout,
+                agent_user=st.agent_user, verifier_user=st.verifier_user, label=label)
+        if not record["error"]:
+            record["reward"], record["rewards"], record["error"] = _reward(r.stub, r.machine_id)
+        if st.min_reward is not None:
+            missed = [f"{k}={record['rewards'].get(k, '-inf')} < {v:g}" for k, v in st.min_reward.items()
+                      if record["rewards"].get(k, -math.inf) < v]
+            if missed:
+                r.steps.append({"name": f"{label}min_reward", "ok": False, "detail": ", ".join(missed) + ": stop",
+                                "duration_s": 0.0, "output_tail": ""})
+                break
+    scored = [rec["rewards"] for rec in results if rec["rewards"]]
+    if not scored:
+        errors = "; ".join(f"step {rec['name']}: {rec['error']}" for rec in results if rec["error"])
+        return None, {}, errors or "no step wrote a reward", results
+    if task.reward_strategy == "final":
+        rewards = results[-1]["rewards"]
+        if not rewards:
+            return None, {}, f"step {results[-1]['name']}: {results[-1]['error']}", results
+    else:
+        keys = {k for rw in scored for k in rw}
+        rewards = {k: sum(rw.get(k, 0.0) for rw in scored) / len(scored) for k in sorted(keys)}
+    reward = rewards["reward"] if "reward" in rewards else min(rewards.values())
+    return reward, rewards, "", results
 
 
 def _policy(mode: str, hosts: list[str]) -> pb.NetworkPolicy:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -230,3 +231,90 @@ def test_refusals(daemon: DaemonProcess, tmp_path: Path) -> None:
         (tmp_path / "nosol" / "tests").mkdir(parents=True)
         (tmp_path / "nosol" / "tests" / "test.sh").write_text("")
         taskdir.load(tmp_path / "nosol")
+
+
+def write_steps_task(root: Path, name: str, steps: dict[str, tuple[str, str]], toml: str,
+                     workdirs: dict[str, dict[str, str]] | None = None) -> Path:
+    """A multi-step task: steps/<name>/{instruction.md, solution/solve.sh, tests/test.sh[, workdir/...]}."""
+    t = root / name
+    (t / "environment").mkdir(parents=True)
+    (t / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nWORKDIR /app\n")
+    (t / "instruction.md").write_text("Do the steps.\n")
+    (t / "task.toml").write_text(toml)
+    for step, (solve, test) in steps.items():
+        d = t / "steps" / step
+        (d / "solution").mkdir(parents=True)
+        (d / "tests").mkdir()
+        (d / "instruction.md").write_text(f"Step {step}.\n")
+        (d / "solution" / "solve.sh").write_text("#!/bin/bash\n" + solve)
+        (d / "tests" / "test.sh").write_text("#!/bin/bash\n" + test)
+        for rel, text in (workdirs or {}).get(step, {}).items():
+            (d / "workdir" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (d / "workdir" / rel).write_text(text)
+    return t
+
+
+STEPS_TOML = ('version = "1.0"\n[agent]\ntimeout_sec = 30.0\n[verifier]\ntimeout_sec = 30.0\n'
+              '[environment]\nnetwork_mode = "no-network"\n')
+
+
+def test_a_multi_step_task_runs_each_step_and_averages_the_rewards(daemon: DaemonProcess, tmp_path: Path) -> None:
+    steps = {
+        # step one: named rewards, and a stale /tests file the next step must not see
+        "one": ("echo 1 > one.txt\n",
+                'touch /tests/left-by-one; echo "{\\"reward\\": $(cat /app/one.txt), \\"style\\": 0.5}" '
+                "> /logs/verifier/reward.json\n"),
+        # step two: its workdir (seed.txt, setup.sh) is staged first; its tests see only their own files
+        "two": ("cp seeded.txt two.txt\n",
+                'if [ -e /tests/left-by-one ] || [ "$(cat /app/two.txt)" != seed ]; then r=0; else r=1; fi; '
+                "echo $r > /logs/verifier/reward.txt\n"),
+    }
+    toml = STEPS_TOML + '[[steps]]\nname = "one"\n[[steps]]\nname = "two"\n[steps.agent]\ntimeout_sec = 20.0\n'
+    task = write_steps_task(tmp_path, "multi", steps, toml,
+                            workdirs={"two": {"seed.txt": "seed\n", "setup.sh": "cp seed.txt seeded.txt\n"}})
+    t = taskdir.load(task)
+    assert [s.name for s in t.task_steps] == ["one", "two"] and t.task_steps[1].agent_timeout == 20.0
+    code, out = run_task(daemon, task)
+    assert [(s["name"], s["reward"], s["error"]) for s in out["step_results"]] == [("one", 1.0, ""), ("two", 1.0, "")]
+    # mean per key over the steps; a key a step lacks counts 0
+    assert (code, out["reward"], out["rewards"]) == (0, 1.0, {"reward": 1.0, "style": 0.25}), out
+    names = [s["name"] for s in out["steps"]]
+    assert "step two: setup.sh" in names and "step one: agent: oracle solution/solve.sh" in names
+
+
+def test_a_step_below_its_min_reward_ends_the_task(daemon: DaemonProcess, tmp_path: Path) -> None:
+    steps = {"one": ("true\n", "echo 0.5 > /logs/verifier/reward.txt\n"),
+             "two": ("touch /app/two-ran\n", "echo 1 > /logs/verifier/reward.txt\n")}
+    toml = ('multi_step_reward_strategy = "final"\n' + STEPS_TOML +    # a top-level key: before the tables
+            '[[steps]]\nname = "one"\nmin_reward = 0.75\n[[steps]]\nname = "two"\n')
+    code, out = run_task(daemon, write_steps_task(tmp_path, "gated", steps, toml))
+    assert [s["name"] for s in out["step_results"]] == ["one"]        # step two never ran
+    assert (code, out["reward"]) == (1, 0.5), out                     # "final": the last step that ran
+    assert any(s["name"] == "step one: min_reward" and "reward=0.5 < 0.75" in s["detail"] for s in out["steps"])
+
+
+def test_the_final_strategy_takes_the_last_steps_rewards(daemon: DaemonProcess, tmp_path: Path) -> None:
+    steps = {"one": ("true\n", "echo 0 > /logs/verifier/reward.txt\n"),
+             "two": ("true\n", "echo 1 > /logs/verifier/reward.txt\n")}
+    toml = 'multi_step_reward_strategy = "final"\n' + STEPS_TOML + '[[steps]]\nname = "one"\n[[steps]]\nname = "two"\n'
+    code, out = run_task(daemon, write_steps_task(tmp_path, "final", steps, toml))
+    assert (code, out["reward"], [s["reward"] for s in out["step_results"]]) == (0, 1.0, [0.0, 1.0]), out
+
+
+def test_multi_step_task_errors() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        ok = {"a": ("true\n", "true\n")}
+        for toml, why in (
+                ("steps = []\n" + STEPS_TOML, "steps must be a non-empty array of tables"),
+                (STEPS_TOML + '[[steps]]\nname = "../x"\n', "name must be a portable directory name"),
+                (STEPS_TOML + '[[steps]]\nname = "a"\n[[steps]]\nname = "A"\n', "step name 'A' is used twice"),
+                (STEPS_TOML + '[[steps]]\nname = "b"\n', "steps/b/solution/solve.sh is missing"),
+                (STEPS_TOML + '[[steps]]\nname = "a"\nmin_reward = "high"\n', "min_reward must be a number"),
+                ('multi_step_reward_strategy = "max"\n' + STEPS_TOML + '[[steps]]\nname = "a"\n',
+                 "multi_step_reward_strategy must be one of mean, final"),
+                (STEPS_TOML + '[[steps]]\nname = "a"\n[steps.agent]\nnetwork_mode = "public"\n',
+                 "a step's own network policy is not supported")):
+            task = write_steps_task(root, f"t{len(list(root.iterdir()))}", ok, toml)
+            with pytest.raises(taskdir.TaskError, match=re.escape(why)):
+                taskdir.load(task)
