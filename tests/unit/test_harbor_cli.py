@@ -204,3 +204,23 @@ def test_environment_kwargs_are_typed_and_checked_before_any_trial(daemon: Daemo
     r2, _ = trial(daemon, task, tmp_path / "t", "--environment-kwarg", "sokcet=/run/x.sock")
     assert r2.returncode != 0 and "Unknown option 'sokcet'" in " ".join((r2.stdout + r2.stderr).split())
     assert machines(daemon) == []
+
+
+def test_a_multi_step_task_through_harbors_own_trial(daemon: DaemonProcess, tmp_path: Path) -> None:
+    """Harbor 0.26 orchestrates the steps itself (MultiStepTrial) through the smol environment; run-task's own
+    multi-step runner gives the same rewards (tests/unit/test_run_task.py)."""
+    from test_run_task import STEPS_TOML, write_steps_task
+    steps = {"one": ("echo 1 > one.txt\n",
+                     'echo "{\\"reward\\": $(cat /app/one.txt), \\"style\\": 0.5}" > /logs/verifier/reward.json\n'),
+             "two": ("cp seeded.txt two.txt\n",
+                     '[ "$(cat /app/two.txt)" = seed ] && echo 1 > /logs/verifier/reward.txt || '
+                     "echo 0 > /logs/verifier/reward.txt\n")}
+    toml = STEPS_TOML + '[[steps]]\nname = "one"\n[[steps]]\nname = "two"\n'
+    task = write_steps_task(tmp_path, "multi", steps, toml,
+                            workdirs={"two": {"seed.txt": "seed\n", "setup.sh": "cp seed.txt seeded.txt\n"}})
+    r, result = trial(daemon, task, tmp_path / "t")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert result is not None
+    rewards = (result.get("verifier_result") or {}).get("rewards")
+    assert rewards == {"reward": 1.0, "style": 0.25}, (rewards, result.get("exception_info"))
+    assert machines(daemon) == []
