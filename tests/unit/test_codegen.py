@@ -70,7 +70,7 @@ def test_service_shape():
     methods = {m.name: m for m in service.methods}
     assert set(methods) == {
         "CreateMachine", "GetMachine", "ListMachines", "Exec", "CopyIn", "CopyOut",
-        "Verify", "DestroyMachine", "Run", "Fork", "Snapshot", "ListCheckpoints", "DeleteCheckpoint",
+        "Verify", "DestroyMachine", "SetNetworkPolicy", "Run", "Fork", "Snapshot", "ListCheckpoints", "DeleteCheckpoint",
         "BakeImage", "ListBakes", "DeleteBake", "PullImage", "ListImages", "RemoveImage", "PruneImages",
         "GetResult", "ListResults", "GetArtifact", "PruneResults",
     }  # fmt: skip
