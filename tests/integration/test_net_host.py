@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -76,6 +76,19 @@ def _http_server(ns: str | None, addr: str, port: int) -> subprocess.Popen[bytes
     raise RuntimeError(f"http server {addr}:{port} in {ns} did not start")
 
 
+def _remove_hosts(procs: list[subprocess.Popen[bytes]], links: list[str], namespaces: Iterable[str]) -> None:
+    """Stop the test hosts' servers, delete their links and namespaces (whatever of them exists)."""
+    for p in procs:
+        p.kill()
+        p.wait()
+    for link in links:
+        with contextlib.suppress(Exception):
+            netns.delete_link(link)
+    for ns in namespaces:
+        with contextlib.suppress(Exception):
+            netns.remove_namespace(ns)
+
+
 @pytest.fixture
 def world() -> Iterator[dict[str, str]]:
     tag = secrets.token_hex(2)
@@ -92,15 +105,7 @@ def world() -> Iterator[dict[str, str]]:
                   _http_server(names["b"], addr_b, HTTP_PORT)]
         yield {**names, "addr_a": addr_a, "addr_b": addr_b}
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-        for link in links:
-            with contextlib.suppress(Exception):
-                netns.delete_link(link)
-        for ns in names.values():
-            with contextlib.suppress(Exception):
-                netns.remove_namespace(ns)
+        _remove_hosts(procs, links, names.values())
 
 
 def _attach_fake_guest(vm_ns: str, guest_ns: str) -> None:
@@ -319,15 +324,7 @@ def internet_hosts(tag: str, internet: str, metadata: str, host_port: int) -> It
             time.sleep(0.1)   # until the echo server listens (seen from the host: its own address on that link)
         yield {"addr_i": addr_i, "addr_m": addr_m, "link_i": li, "host_i": host_i}
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-        for link in links:
-            with contextlib.suppress(Exception):
-                netns.delete_link(link)
-        for ns in names.values():
-            with contextlib.suppress(Exception):
-                netns.remove_namespace(ns)
+        _remove_hosts(procs, links, names.values())
 
 
 @pytest.fixture

@@ -24,9 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_run_task import write_task  # noqa: E402
 
 # The task's tests: the answer, and the network as a public task must see it (one line of results on stdout).
-NET_TEST = r"""#!/bin/bash
-python3 - "$@" <<'PROBE'
-import socket
+# In the guest: GET addr:port, one word back (the reply's first line, spaces as "_", or the error's name).
+GUEST_GET = r"""import socket
 def get(addr, port):
     try:
         with socket.create_connection((addr, port), timeout=3) as s:
@@ -34,7 +33,10 @@ def get(addr, port):
             return s.recv(64).decode(errors="replace").strip().replace(" ", "_") or "empty"
     except OSError as e:
         return type(e).__name__
-answer = open("/app/answer.txt").read().strip()
+"""
+NET_TEST = r"""#!/bin/bash
+python3 - "$@" <<'PROBE'
+""" + GUEST_GET + r"""answer = open("/app/answer.txt").read().strip()
 seen = [get("@INTERNET@", 8080), get("169.254.169.254", 8080), get("@HOST_I@", @HOST_PORT@),
         get("10.214.20.1", @HOST_PORT@)]
 print("probe:", answer, *seen)
@@ -60,15 +62,7 @@ echo $EXPECTED > answer.txt
 # Its tests: the answer, the agent's attempt refused, the internet reached now, the metadata address not.
 PHASE_TEST = r"""#!/bin/bash
 python3 - <<'PROBE'
-import socket
-def get(addr, port):
-    try:
-        with socket.create_connection((addr, port), timeout=3) as s:
-            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
-            return s.recv(64).decode(errors="replace").strip().replace(" ", "_") or "empty"
-    except OSError as e:
-        return type(e).__name__
-answer, agent = open("/app/answer.txt").read().strip(), open("/app/agent-net.txt").read().strip()
+""" + GUEST_GET + r"""answer, agent = open("/app/answer.txt").read().strip(), open("/app/agent-net.txt").read().strip()
 seen = [get("@INTERNET@", 8080), get("169.254.169.254", 8080)]
 print("probe:", answer, agent, *seen)
 ok = (answer == "42" and not agent.startswith("HTTP") and seen[0] == "HTTP/1.0_200_peer_@HOST_I@"
