@@ -52,6 +52,7 @@ from .rules import (
     network_element,
     port_element,
     render,
+    render_chains,
     render_update,
 )
 
@@ -179,6 +180,7 @@ class NetworkManager:
         self.enable_forwarding = enable_forwarding
         self.host_rules = host_rules   # the host's table (rules.build_host_ruleset); off only for tests
         self._pool_in_host_table = False
+        self._host_chains_checked = False
         self.networks: dict[str, VmNetwork] = {}
 
     # --- set up -------------------------------------------------------------------------------------------
@@ -235,8 +237,13 @@ class NetworkManager:
             if not netns.namespace_exists(net.namespace) or not await asyncio.to_thread(
                     nft.table_exists, net.namespace):
                 raise NetError(f"machine {machine_id}: its namespace {net.namespace} or nft table is gone")
+            if "policy" in rec:   # the recorded policy, in force whether or not the last change got applied
+                host_now = await asyncio.to_thread(netns.host_addresses)
+                await asyncio.to_thread(nft.apply, net.namespace, render_update(self.ruleset(net, host_now)))
             await asyncio.to_thread(self._allow_resolved, net)
             await asyncio.to_thread(self._host_rules, net)
+            if not net.resolved.public and self.host_rules:
+                await asyncio.to_thread(remove_public_uplink, net.host_if)
             await self._start_dns(net)
         except BaseException:
             self.networks.pop(machine_id, None)
@@ -268,42 +275,62 @@ class NetworkManager:
         new policy. Port forwards are fixed at create: ``policy.forward`` must be empty or unchanged."""
         if policy.forward and policy.forward != net.policy.forward:
             raise NetError("port forwards are fixed when the machine is created; leave forward out of the new policy")
-        policy = NetworkPolicy(policy.allow, net.policy.forward, policy.public)
+        policy = NetworkPolicy(policy.allow, net.policy.forward, policy.public,
+                               closed=not (policy.allow or policy.public))
         resolved = await asyncio.to_thread(resolve_policy, policy, self.resolve)
         for r in resolved.ignored:
             log.warning("machine %s: allow rule %s ignored (the guest has IPv4 only)", net.machine_id, r)
+        # Shielded: a client that leaves mid-change must not leave the rules and what the daemon knows of them
+        # apart (the nft transaction runs in a thread that a cancellation would not stop).
+        await asyncio.shield(self._update(net, policy, resolved, state_dir))
+        log.info("machine %s: network policy %d: %s", net.machine_id, net.generation, _describe(policy))
+
+    async def _update(self, net: VmNetwork, policy: NetworkPolicy, resolved: ResolvedPolicy,
+                      state_dir: Path | None) -> None:
         async with net.lock:
             host_now = await asyncio.to_thread(netns.host_addresses)
-            was_public, old = net.resolved.public, (net.resolved, net.policy, net.generation)
+            was_public, old = net.resolved.public, (net.resolved, net.policy)
+            # A generation is never used twice, even when this change fails: connections some policy accepted
+            # under a number never outlive a later change. Recorded before the rules change (write-ahead): a
+            # daemon that dies in between re-applies the recorded policy when it re-adopts the machine.
             net.resolved, net.policy, net.generation = resolved, policy, net.generation + 1
             try:
+                if state_dir is not None:
+                    await asyncio.to_thread(_write_record, state_dir, net)
                 if resolved.public and not was_public:   # the host out of reach before the guest can go public
                     await asyncio.to_thread(self._host_rules, net)
                 await asyncio.to_thread(nft.apply, net.namespace, render_update(self.ruleset(net, host_now)))
             except BaseException:
-                net.resolved, net.policy, net.generation = old
+                net.resolved, net.policy = old   # the old rules are still in force (one nft transaction)
                 if resolved.public and not was_public and self.host_rules:
                     await asyncio.to_thread(remove_public_uplink, net.host_if)
+                if state_dir is not None:
+                    with contextlib.suppress(OSError):
+                        await asyncio.to_thread(_write_record, state_dir, net)
                 raise
             if was_public and not resolved.public and self.host_rules:
                 await asyncio.to_thread(remove_public_uplink, net.host_if)
             if net.dns is not None:
                 net.dns.policy = self._dns_policy(net, carry=net.dns.policy)
-            if state_dir is not None:
-                await asyncio.to_thread(_write_record, state_dir, net)
-        log.info("machine %s: network policy %d: %s", net.machine_id, net.generation, _describe(policy))
 
     def _host_rules(self, net: VmNetwork) -> None:
         """The host's table (created if missing, else given this pool), and a public machine's uplink in it
         before its guest can send anything: the host itself is then out of its reach."""
         if not self.host_rules:
             return
+        host = build_host_ruleset([self.pool.network], HOST_IF_PREFIX)
         if not nft.table_exists(None, HOST_TABLE):
             try:
-                nft.apply(None, render(build_host_ruleset([self.pool.network], HOST_IF_PREFIX), replace=False))
+                nft.apply(None, render(host, replace=False))
             except NetError:
                 if not nft.table_exists(None, HOST_TABLE):  # not another daemon's creation racing ours
                     raise
+        elif not self._host_chains_checked:   # a table an older daemon made: add the chains it lacks
+            have = nft.chain_names(None, HOST_TABLE)
+            missing = [c for c in host.chains if c.name not in have]
+            if missing:
+                nft.apply(None, render_chains(host, missing))
+        self._host_chains_checked = True
         if not self._pool_in_host_table:
             try:
                 nft.add_elements(None, SET_NAT_SOURCES, [network_element(self.pool.network)], table=HOST_TABLE)
@@ -410,7 +437,7 @@ class NetworkManager:
             await net.dns.close()
             net.dns = None
         await asyncio.to_thread(remove_network, net.namespace, net.host_if)
-        if net.resolved.public and self.host_rules:
+        if self.host_rules:   # whatever its policy says: an interrupted change may have left it there
             await asyncio.to_thread(remove_public_uplink, net.host_if)
         self.pool.release(net.uplink.index)
         self.networks.pop(net.machine_id, None)
@@ -519,7 +546,7 @@ def _recorded_policy(recorded: object, created: NetworkPolicy) -> NetworkPolicy:
         raise ValueError(f"policy: not an object with an allow list: {recorded!r}")
     allow, public = list(recorded.get("allow", [])), recorded.get("public", False) is True
     if not allow and not public:
-        return NetworkPolicy(forward=created.forward)
+        return NetworkPolicy(forward=created.forward, closed=True)
     parsed = parse_mapping({"network": {"allow": allow, "public": public}}, base_dir=None).network
     return NetworkPolicy(parsed.allow, created.forward, parsed.public)
 

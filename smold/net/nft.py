@@ -83,6 +83,13 @@ def table_exists(namespace: str | None, table: str = TABLE) -> bool:
     return any(i.get("table", {}).get("name") == table and i["table"].get("family") == FAMILY for i in items)
 
 
+def chain_names(namespace: str | None, table: str = TABLE) -> set[str]:
+    """The names of the table's chains."""
+    return {c["chain"]["name"] for c in list_json(namespace, "chains", FAMILY)
+            if isinstance(c.get("chain"), dict) and c["chain"].get("table") == table
+            and isinstance(c["chain"].get("name"), str)}
+
+
 def read_counters(namespace: str | None, table: str = TABLE) -> dict[str, int]:
     """Packets per named counter of the table."""
     out: dict[str, int] = {}

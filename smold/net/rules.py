@@ -42,9 +42,10 @@ SET_BLOCKED = "blocked_v4"
 # What a public policy never reaches unless an allow entry names it: this host's and other private networks,
 # loopback, link-local (169.254.169.254 is the cloud metadata service), shared address space (carrier NAT),
 # IETF protocol assignments, benchmarking, multicast, reserved and broadcast (RFC 6890 and its registry).
+# 168.63.129.16 is Azure's platform address (WireServer, DNS, health probes): public, but the host's own.
 NON_PUBLIC_V4 = tuple(ipaddress.IPv4Network(n) for n in (
     "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
-    "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4"))
+    "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4", "168.63.129.16/32"))
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,12 @@ def build_host_ruleset(nat_sources: Iterable[ipaddress.IPv4Network], uplink_pref
     sets = (NftSet(SET_PUBLIC_UPLINKS, ("ifname",)),
             NftSet(SET_NAT_SOURCES, ("ipv4_addr",), ("interval",),
                    tuple(network_element(n) for n in ipaddress.collapse_addresses(nat_sources))))
+    # Before destination NAT (dstnat is -100): a port the host publishes for a container (Docker, Kubernetes)
+    # is DNATed in prerouting and forwarded, so it never reaches input; what is addressed to the host goes here.
+    prerouting = NftChain("prerouting", "filter", "prerouting", "-150", "accept", (
+        f"{up} fib daddr type local ct state established,related accept",
+        f"{up} fib daddr type local counter name \"{COUNTER_HOST}\" drop",
+    ))
     input_ = NftChain("input", "filter", "input", "filter", "accept", (
         f"{up} ct state established,related accept",
         f"{up} counter name \"{COUNTER_HOST}\" drop",
@@ -207,7 +214,7 @@ def build_host_ruleset(nat_sources: Iterable[ipaddress.IPv4Network], uplink_pref
     postrouting = NftChain("postrouting", "nat", "postrouting", "srcnat", "accept", (
         f'ip saddr @{SET_NAT_SOURCES} oifname != "{uplink_prefix}*" masquerade',
     ))
-    return Ruleset(FAMILY, HOST_TABLE, (COUNTER_HOST,), sets, (input_, postrouting))
+    return Ruleset(FAMILY, HOST_TABLE, (COUNTER_HOST,), sets, (prerouting, input_, postrouting))
 
 
 def _set_body(s: NftSet, elements: bool = True) -> str:
@@ -239,6 +246,19 @@ def render_update(rs: Ruleset) -> str:
         out.append(f"add chain {t} {c.name} {{ type {c.type} hook {c.hook} priority {c.priority}; "
                    f"policy {c.policy}; }}")
         out.append(f"flush chain {t} {c.name}")
+        out.extend(f"add rule {t} {c.name} {r}" for r in c.rules)
+    return "\n".join(out) + "\n"
+
+
+def render_chains(rs: Ruleset, chains: Iterable[NftChain]) -> str:
+    """An ``nft -f`` script that adds these chains of the ruleset (with their counters and sets, if missing)
+    to its existing table."""
+    t = f"{rs.family} {rs.table}"
+    out = [f"add counter {t} {name}" for name in rs.counters]
+    out += [f"add set {t} {s.name} {{ {_set_body(s, elements=False)} }}" for s in rs.sets]
+    for c in chains:
+        out.append(f"add chain {t} {c.name} {{ type {c.type} hook {c.hook} priority {c.priority}; "
+                   f"policy {c.policy}; }}")
         out.extend(f"add rule {t} {c.name} {r}" for r in c.rules)
     return "\n".join(out) + "\n"
 

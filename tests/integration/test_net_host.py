@@ -334,6 +334,17 @@ def internet(world: dict[str, str]) -> Iterator[dict[str, str]]:
         yield hosts
 
 
+PUBLISHED_PORT = 8181
+DNAT_TABLE = "smt_published"
+
+
+def _publish_port(address: str, port: int, to_addr: str, to_port: int) -> None:
+    """As Docker publishes a container's port: DNAT address:port to to_addr:to_port in the host's prerouting."""
+    script = (f"table ip {DNAT_TABLE} {{\n chain prerouting {{ type nat hook prerouting priority dstnat; }}\n}}\n"
+              f"add rule ip {DNAT_TABLE} prerouting ip daddr {address} tcp dport {port} dnat to {to_addr}:{to_port}\n")
+    subprocess.run(["nft", "-f", "-"], input=script, text=True, check=True, capture_output=True)
+
+
 def _add_address(link: str, address: str) -> None:
     with IPRoute() as ipr:
         ipr.addr("add", index=ipr.link_lookup(ifname=link)[0], address=address, prefixlen=32)
@@ -376,6 +387,11 @@ async def test_public_egress_reaches_the_internet_never_the_host_metadata_or_pri
         for host_addr in ("203.0.113.1", "10.251.1.1", late, str(net.uplink.host)):
             assert await asyncio.to_thread(_http_get, host_addr, OTHER_PORT) == "ok"   # it does serve
             assert await as_guest(_http_get, host_addr, OTHER_PORT) != "ok", host_addr
+        # a port the host publishes for a container (Docker's DNAT in prerouting, to B) on the late address:
+        # forwarded, so never seen by input; the host table's prerouting chain drops it before the DNAT
+        assert "prerouting" in await asyncio.to_thread(nft.chain_names, None, HOST_TABLE)
+        await asyncio.to_thread(_publish_port, late, PUBLISHED_PORT, world["addr_b"], HTTP_PORT)
+        assert await as_guest(_http_get, late, PUBLISHED_PORT) != "ok"
         # DNS: any name, as the host resolves it
         ok = await as_guest(_dns, "WWW.internet.test")
         assert ok.rcode == dnsmsg.RCODE_NOERROR and ok.addresses == (ipaddress.IPv4Address(addr_i),)
@@ -391,6 +407,7 @@ async def test_public_egress_reaches_the_internet_never_the_host_metadata_or_pri
         assert report.denied_names == ()
     finally:
         await mgr.teardown(net)
+        subprocess.run(["nft", "delete", "table", "ip", DNAT_TABLE], capture_output=True, check=False)
     assert network_leftovers(net.namespace, net.host_if) == []
     assert net.host_if not in await asyncio.to_thread(nft.set_elements, None, SET_PUBLIC_UPLINKS, HOST_TABLE)
 
