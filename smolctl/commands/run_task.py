@@ -274,11 +274,13 @@ def _agent_and_tests(r: _Runner, task: taskdir.Task, src: Path, *, agent_timeout
            cwd=task.workdir, env={**task.env, **task.solution_env}, timeout=agent_timeout, user=agent_user)
     if not r.set_network(f"{label}environment", baseline if agent_policy else None):
         return "the environment's network policy could not be restored after the agent"
+    # /tests and /logs/verifier are emptied first, as Harbor does before every verifier: a reward file, a
+    # conftest.py or a test the solution planted (or an earlier step left) never reaches the verdict.
+    if not r.exec(f"{label}verifier: empty /tests and /logs/verifier",
+                  ["sh", "-c", "mkdir -p /tests /logs/verifier && find /tests /logs/verifier -mindepth 1 -delete "
+                   "&& chmod 0777 /logs/verifier"], cwd="/", env={}, timeout=60, quiet=True):
+        return "emptying /tests and /logs/verifier before the tests failed"
     r.copy_tar(_tar([(src / "tests", ".")]), "/tests")
-    # Stale rewards go first (as Harbor does): a reward file the solution planted never becomes the verdict.
-    if not r.exec(f"{label}verifier: clear stale rewards", ["rm", "-f", "--", REWARD_TXT, REWARD_JSON], cwd="/",
-                  env={}, timeout=60, quiet=True):
-        return "removing stale reward files before the tests failed"
     verifier_policy = _policy(*task.verifier_network) if task.verifier_network else None
     if not r.set_network(f"{label}verifier", verifier_policy):
         return "the verifier phase's network policy could not be applied"
@@ -298,25 +300,19 @@ def _run_task(r: _Runner, task: taskdir.Task) -> str:
 
 def _run_steps(r: _Runner, task: taskdir.Task) -> tuple[float | None, dict[str, float], str, list[dict[str, Any]]]:
     """A multi-step task (Harbor's MultiStepTrial): for each step, its workdir/ staged into the working directory
-    and its setup.sh run, its oracle and its tests (the previous step's /tests and /logs/verifier emptied
-    first); a step whose rewards miss its min_reward ends the run. The task's rewards: per key, the mean over
+    and its setup.sh run, its oracle and its tests (/tests and /logs/verifier emptied first); a step that
+    failed without rewards, or whose rewards miss its min_reward, ends the run. The task's rewards: per key, the mean over
     the steps that have rewards (a key a step lacks counts 0), or the last step's ("final")."""
     results: list[dict[str, Any]] = []
     error = _build(r, task)
     if error:
         return None, {}, error, results
     pwd = task.workdir or r.output(["pwd"], "") or "/"   # "": the image's WorkingDir (docker_image)
-    for i, st in enumerate(task.task_steps):
+    for st in task.task_steps:
         label = f"step {st.name}: "
         record: dict[str, Any] = {"name": st.name, "reward": None, "rewards": {}, "error": ""}
         results.append(record)
         src = task.path / "steps" / st.name
-        if i and not r.exec(f"{label}reset /tests and /logs/verifier",
-                            ["sh", "-c", "mkdir -p /tests /logs/verifier && find /tests /logs/verifier -mindepth 1 "
-                             "-delete && chmod 0777 /logs/verifier"], cwd="/",
-                            env={}, timeout=60, quiet=True):
-            record["error"] = "emptying the previous step's /tests and /logs/verifier failed"
-            break
         if (src / "workdir").is_dir():
             r.copy_tar(_tar([(src / "workdir", ".")]), pwd)
             if (src / "workdir" / "setup.sh").is_file() and not r.exec(
@@ -329,6 +325,10 @@ def _run_steps(r: _Runner, task: taskdir.Task) -> tuple[float | None, dict[str, 
                 agent_user=st.agent_user, verifier_user=st.verifier_user, label=label)
         if not record["error"]:
             record["reward"], record["rewards"], record["error"] = _reward(r.stub, r.machine_id)
+        if record["error"] and not record["rewards"]:   # as Harbor: a step that failed ends the task
+            r.steps.append({"name": f"{label}failed", "ok": False, "detail": f"{record['error']}: stop",
+                            "duration_s": 0.0, "output_tail": ""})
+            break
         if st.min_reward is not None:
             missed = [f"{k}={record['rewards'].get(k, '-inf')} < {v:g}" for k, v in st.min_reward.items()
                       if record["rewards"].get(k, -math.inf) < v]

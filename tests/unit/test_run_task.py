@@ -132,6 +132,18 @@ def test_a_reward_the_solution_planted_is_removed_before_the_tests(daemon: Daemo
     assert code == 1 and out["reward"] is None and "wrote neither" in out["error"], out
 
 
+def test_files_the_solution_planted_in_tests_never_reach_the_verdict(daemon: DaemonProcess, tmp_path: Path) -> None:
+    """/tests is emptied before the task's tests are copied in (as Harbor does): a conftest.py, an extra test or a
+    replaced test.sh the solution left there is gone."""
+    solve = ("mkdir -p /tests && echo 'raise SystemExit(0)' > /tests/conftest.py && "
+             "printf '#!/bin/bash\\necho 1 > /logs/verifier/reward.txt\\n' > /tests/test.sh; echo 42 > answer.txt\n")
+    # the genuine tests pass only if they find nothing but themselves in /tests
+    test = ('#!/bin/bash\nif [ -e /tests/conftest.py ] || [ "$(cat /app/answer.txt)" != 42 ]; then r=0; else r=1; fi; '
+            "echo $r > /logs/verifier/reward.txt\n")
+    code, out = run_task(daemon, write_task(tmp_path, "plants", solve, test=test))
+    assert (code, out["reward"]) == (0, 1.0), out
+
+
 def test_task_toml_env_workdir_user_and_cpus(daemon: DaemonProcess, tmp_path: Path, monkeypatch,
                                              request: pytest.FixtureRequest) -> None:
     """[environment.env] (with Harbor's ${VAR:-default} templates), [solution.env], [verifier.env], [environment]
@@ -291,6 +303,17 @@ def test_a_step_below_its_min_reward_ends_the_task(daemon: DaemonProcess, tmp_pa
     assert [s["name"] for s in out["step_results"]] == ["one"]        # step two never ran
     assert (code, out["reward"]) == (1, 0.5), out                     # "final": the last step that ran
     assert any(s["name"] == "step one: min_reward" and "reward=0.5 < 0.75" in s["detail"] for s in out["steps"])
+
+
+def test_a_step_that_fails_without_a_reward_ends_the_task(daemon: DaemonProcess, tmp_path: Path) -> None:
+    steps = {"one": ("true\n", "echo 1 > /logs/verifier/reward.txt\n"),
+             "two": ("true\n", "echo 1 > /logs/verifier/reward.txt\n"),
+             "three": ("true\n", "echo 1 > /logs/verifier/reward.txt\n")}
+    toml = STEPS_TOML + '[[steps]]\nname = "one"\n[[steps]]\nname = "two"\n[[steps]]\nname = "three"\n'
+    task = write_steps_task(tmp_path, "broken", steps, toml, workdirs={"two": {"setup.sh": "exit 3\n"}})
+    code, out = run_task(daemon, task)
+    assert [(s["name"], s["reward"]) for s in out["step_results"]] == [("one", 1.0), ("two", None)]
+    assert (code, out["reward"]) == (0, 1.0), out   # the mean over the steps with rewards, as Harbor's
 
 
 def test_the_final_strategy_takes_the_last_steps_rewards(daemon: DaemonProcess, tmp_path: Path) -> None:
