@@ -1362,8 +1362,10 @@ class Controller:
         self._pinned.add(base)
         try:
             await self._write_checkpoint(parent, base, "")
+            # the children get the network policy in force (SetNetworkPolicy may have changed the created one)
+            sf = parent.smolfile if parent.net is None else replace_fields(parent.smolfile, network=parent.net.policy)
             results = await asyncio.gather(
-                *(self._create(parent.smolfile, "", f"fork of {parent.id}", [], restore=base,
+                *(self._create(sf, "", f"fork of {parent.id}", [], restore=base,
                                image_digest=parent.image_digest) for _ in range(count)),
                 return_exceptions=True)
             children = [r for r in results if isinstance(r, Machine)]

@@ -244,3 +244,4 @@ async def test_a_daemon_without_public_network_refuses_to_make_a_machine_public(
                                                                    policy=pb.NetworkPolicy(public=True)))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--no-public-network" in (e.value.details() or "")
     await env.stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))
+

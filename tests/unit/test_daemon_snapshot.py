@@ -335,3 +335,33 @@ def test_smolctl_snapshot_fork_and_create_from_checkpoint_reach_the_daemon(workd
         assert r.returncode == 2 and b"cannot reach smold" in r.stderr, (args, r.stderr)
     r = run_smolctl(sock, "snapshot", "m")
     assert r.returncode == 2 and b"required: name" in r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("nft"), reason="networked machines need root and nft")
+async def test_fork_children_get_the_network_policy_in_force_not_the_created_one(workdir: Path) -> None:
+    from smold.net import nft
+    from smold.net.manager import host_if_name, namespace_name, network_leftovers
+    from smold.net.rules import HOST_TABLE, SET_PUBLIC_UPLINKS
+    config = DaemonConfig(socket_path=workdir / "smold.sock", state_dir=workdir / "state", max_machines=4,
+                          max_memory_mib=4096, destroy_grace_s=5.0, net_pool="10.214.18.0/24")
+    daemon, task = await start_daemon_task(config, fake_images(workdir))
+    e = Env(daemon, None, workdir, [])  # type: ignore[arg-type]
+    try:
+        async with grpc.aio.insecure_channel(f"unix:{workdir / 'smold.sock'}") as channel:
+            e.stub = s = pb_grpc.SmolStub(channel)
+            closed = pb.Smolfile(spec=pb.SmolfileSpec(memory_mib=256, cpus=1, network=pb.NetworkPolicy(closed=True)))
+            parent = (await s.CreateMachine(pb.CreateMachineRequest(smolfile=closed))).machine
+            await e.serve_control(parent.id)
+            await s.SetNetworkPolicy(pb.SetNetworkPolicyRequest(machine_id=parent.id,
+                                                                policy=pb.NetworkPolicy(public=True)))
+            (kid,) = (await s.Fork(pb.ForkRequest(machine_id=parent.id, count=1))).machines
+            # public, as its parent is now (it was created closed)
+            assert host_if_name(kid.id) in nft.set_elements(None, SET_PUBLIC_UPLINKS, HOST_TABLE)
+            for mid in (kid.id, parent.id):
+                await s.DestroyMachine(pb.DestroyMachineRequest(machine_id=mid))
+                assert network_leftovers(namespace_name(mid), host_if_name(mid)) == []
+    finally:
+        for srv in e.servers:
+            await srv.close()
+        daemon.stop()
+        await asyncio.wait_for(task, 30)
