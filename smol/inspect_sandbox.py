@@ -193,7 +193,11 @@ class SmolSandboxEnvironment(SandboxEnvironment):
             if e.guest_code is None:   # the machine itself is gone
                 raise SandboxUnavailableError(f"the smol machine {self.machine_id} is gone: {e.details}") from None
             return ExecResult(False, 127, "", f"{cmd[0]}: {e.details}")  # no such executable or working directory
-        except (UnavailableError, FailedPreconditionError) as e:   # stopped, failed, destroyed, agent unreachable
+        except (UnavailableError, FailedPreconditionError) as e:
+            if e.guest_code is not None:   # the guest refused this command (a cwd that is a file, say)
+                return ExecResult(False, 126 if e.guest_code in ("ENOTDIR", "EISDIR") else 1, "",
+                                  f"{cmd[0]}: {e.details}")
+            # the machine itself: stopped, failed, destroyed, its agent unreachable
             raise SandboxUnavailableError(f"the smol machine {self.machine_id} cannot run commands: "
                                           f"{e.details}") from None
         except InvalidArgumentError as e:

@@ -133,3 +133,10 @@ async def test_exec_on_a_machine_that_is_gone_raises_sandbox_unavailable(daemon:
     await SmolSandboxEnvironment.sample_cleanup("gone", config, envs, False)
     with pytest.raises(SandboxUnavailableError, match=f"the smol machine {env.machine_id}"):
         await env.exec(["true"])
+
+
+async def test_exec_refused_by_the_guest_is_a_failed_command_not_an_unavailable_sandbox(
+        sandbox_env: SmolSandboxEnvironment) -> None:
+    await sandbox_env.write_file("a-file", "x")
+    r = await sandbox_env.exec(["true"], cwd="a-file")    # a working directory that is a file
+    assert not r.success and r.returncode != 0, r
