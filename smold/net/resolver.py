@@ -11,11 +11,13 @@ anyway, has every name looked up on the host.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ipaddress
 import logging
 import socket
 import struct
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -33,6 +35,10 @@ MAX_INFLIGHT = 64            # UDP queries being answered at once (more are drop
 MAX_TCP_CLIENTS = 16
 TCP_IDLE_S = 10.0
 MAX_OPEN_NAMES = 1024        # names a public policy's resolver keeps answers for (the oldest go first)
+MAX_ANY_NAME_LOOKUPS = 4     # a public machine's host lookups in flight at once (more: SERVFAIL)
+# A public machine's lookups of any name run on threads of their own: names that never resolve (a guest can
+# ask for millions) keep these busy, never the daemon's default executor (nft, namespaces, files).
+_ANY_NAME_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="smol-dns")
 
 Resolve = Callable[[str], Iterable[ipaddress.IPv4Address]]
 OnAddresses = Callable[[str, tuple[ipaddress.IPv4Address, ...]], Awaitable[None]]
@@ -68,6 +74,8 @@ class DnsPolicy:
         other name is looked up on the host too (its addresses are not added to the allowed sets)."""
         self._clock = clock
         self._any_name = any_name
+        self._any_name_lookups = 0
+        self._lookups_lock = threading.Lock()
         self._open: dict[str, tuple[tuple[ipaddress.IPv4Address, ...], float]] = {}
         self._cache: dict[str, tuple[tuple[ipaddress.IPv4Address, ...], float]] = {
             normalize_name(n): (tuple(a), clock()) for n, a in names.items()}
@@ -114,14 +122,24 @@ class DnsPolicy:
         self._cache[name] = (merged, self._clock())
         return fresh
 
+    def _lookup_finished(self, _: object) -> None:
+        with self._lookups_lock:
+            self._any_name_lookups -= 1
+
     async def _any_name_addresses(self, name: str) -> tuple[ipaddress.IPv4Address, ...] | None:
         """A public policy's lookup of a name it does not list: its addresses (empty: it does not resolve),
         or None when the host's lookup timed out."""
         hit = self._open.get(name)
         if hit is not None and self._clock() - hit[1] < REFRESH_S:
             return hit[0]
+        with self._lookups_lock:
+            if self._any_name_lookups >= MAX_ANY_NAME_LOOKUPS:
+                return None
+            self._any_name_lookups += 1
+        lookup = _ANY_NAME_POOL.submit(self._resolve, name)
+        lookup.add_done_callback(self._lookup_finished)   # when the thread is done: a timed-out one holds its slot
         try:
-            addrs = tuple(sorted(set(await asyncio.wait_for(asyncio.to_thread(self._resolve, name),
+            addrs = tuple(sorted(set(await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(lookup)),
                                                             RESOLVE_TIMEOUT_S))))
         except (TimeoutError, OSError) as e:
             log.info("resolving %s on the host failed (%s)", name, e)

@@ -204,6 +204,35 @@ def test_a_public_policys_cache_is_bounded() -> None:
     assert len(p._open) == MAX_OPEN_NAMES and "n0.example.test" not in p._open
 
 
+def test_a_public_policys_host_lookups_are_bounded() -> None:
+    """Names that never resolve hold at most MAX_ANY_NAME_LOOKUPS threads of the resolver's own pool; more queries
+    get SERVFAIL at once, and the slots come back when the host's lookups end."""
+    import threading
+
+    from smold.net.resolver import MAX_ANY_NAME_LOOKUPS
+    release = threading.Event()
+
+    def resolve(name: str) -> list[A]:
+        if name.startswith("hang"):
+            release.wait(30)
+        return [A("203.0.113.5")]
+
+    p = DnsPolicy({}, resolve, any_name=True)
+
+    async def main() -> list[int]:
+        hanging = [asyncio.ensure_future(p.answer(dns.build_query(f"hang{i}.test"))) for i in range(MAX_ANY_NAME_LOOKUPS)]
+        await asyncio.sleep(0.2)
+        extra = dns.parse_response(await p.answer(dns.build_query("one-more.test")) or b"").rcode
+        release.set()
+        done = [dns.parse_response(r or b"").rcode for r in await asyncio.gather(*hanging)]
+        await asyncio.sleep(0.2)
+        after = dns.parse_response(await p.answer(dns.build_query("later.test")) or b"").rcode
+        return [extra, *done, after]
+
+    codes = asyncio.run(main())
+    assert codes == [dns.RCODE_SERVFAIL] + [dns.RCODE_NOERROR] * MAX_ANY_NAME_LOOKUPS + [dns.RCODE_NOERROR]
+
+
 def test_server_answers_over_udp_and_tcp() -> None:
     import socket
 
