@@ -26,6 +26,11 @@ HELP = ("run a Harbor/Terminal-Bench task directory with its oracle solution (so
 REWARD_TXT = "/logs/verifier/reward.txt"
 REWARD_JSON = "/logs/verifier/reward.json"
 BOOT_TIMEOUT = 900
+# Empties /tests and /logs/verifier (mount points under some launchers, so their contents, dot files included)
+# with only what a task image must have anyway (sh, rm, mkdir, chmod: a docker_image may lack find).
+EMPTY_VERIFIER_DIRS = ("mkdir -p /tests /logs/verifier && "
+                       "rm -rf /tests/* /tests/.[!.]* /tests/..?* /logs/verifier/* /logs/verifier/.[!.]* "
+                       "/logs/verifier/..?* && chmod 0777 /logs/verifier")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -277,8 +282,7 @@ def _agent_and_tests(r: _Runner, task: taskdir.Task, src: Path, *, agent_timeout
     # /tests and /logs/verifier are emptied first, as Harbor does before every verifier: a reward file, a
     # conftest.py or a test the solution planted (or an earlier step left) never reaches the verdict.
     if not r.exec(f"{label}verifier: empty /tests and /logs/verifier",
-                  ["sh", "-c", "mkdir -p /tests /logs/verifier && find /tests /logs/verifier -mindepth 1 -delete "
-                   "&& chmod 0777 /logs/verifier"], cwd="/", env={}, timeout=60, quiet=True):
+                  ["sh", "-c", EMPTY_VERIFIER_DIRS], cwd="/", env={}, timeout=60, quiet=True):
         return "emptying /tests and /logs/verifier before the tests failed"
     r.copy_tar(_tar([(src / "tests", ".")]), "/tests")
     verifier_policy = _policy(*task.verifier_network) if task.verifier_network else None
