@@ -672,7 +672,7 @@ def _state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):   # gone before the open, or between the open and the read
         return "gone"
 
 
@@ -760,7 +760,7 @@ def _descendants(pid: int) -> list[int]:
         out.append(p)
         try:
             todo += _children(p)
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):   # it exited meanwhile
             pass
     return out
 
