@@ -321,6 +321,15 @@ class Controller:
                 await self.network.teardown_machine(rec.id)
                 await asyncio.to_thread(shutil.rmtree, d, True)
                 return
+            if net.policy.public and not self.config.public_network:
+                # the operator turned public egress off (--no-public-network): a machine that has it, by its
+                # Smolfile or a SetNetworkPolicy, is not kept with it and not silently narrowed: it goes
+                log.warning("cleaning up machine %s: it has public egress, which this daemon refuses "
+                            "(--no-public-network)", d.name)
+                await self._kill_stray(proc.pid)
+                await self.network.teardown_machine(rec.id)
+                await asyncio.to_thread(shutil.rmtree, d, True)
+                return
         m = Machine(
             id=rec.id, name=rec.name, smolfile=smolfile, image=rec.image, image_digest=rec.image_digest,
             smolfile_digest=rec.smolfile_digest, state_dir=d, created_at=datetime.fromisoformat(rec.created_at),

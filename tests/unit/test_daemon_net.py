@@ -145,6 +145,56 @@ def test_restarted_daemon_readopts_the_network_and_cleans_up_the_lost_machine() 
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def test_a_daemon_restarted_without_public_network_cleans_up_public_machines_and_keeps_the_rest() -> None:
+    import json
+    import signal
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from daemon_support import DaemonProcess, pid_alive, processes_mentioning, wait_until
+
+    workdir = Path(tempfile.mkdtemp(prefix="smp-", dir="/tmp"))
+    for name, network in (("public", '"public"'), ("listed", '{ allow = ["10.251.9.0/24"] }')):
+        (workdir / name).mkdir()
+        (workdir / name / "Smolfile.toml").write_text(f"memory = 256\ncpus = 1\nnetwork = {network}\n")
+
+    def ok(r: subprocess.CompletedProcess[bytes]) -> str:
+        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+        return r.stdout.decode()
+
+    d1 = DaemonProcess(workdir, "--net-pool", "10.214.22.0/24").start()
+    try:
+        public = ok(d1.smolctl("create", str(workdir / "public"))).strip()
+        listed = ok(d1.smolctl("create", str(workdir / "listed"))).strip()
+        public_pid = int(json.loads((d1.state / "machines" / public / "machine.json").read_text())["pid"])
+        d1.kill()
+        # the operator restarts the daemon with public egress off: the public machine must not keep it
+        d2 = DaemonProcess(workdir, "--net-pool", "10.214.22.0/24", "--no-public-network").start()
+        try:
+            assert wait_until(lambda: not pid_alive(public_pid))
+            assert network_leftovers(namespace_name(public), host_if_name(public)) == []
+            assert not (d2.state / "machines" / public).exists()
+            assert f"cleaning up machine {public}: it has public egress" in d2.log.read_text(errors="replace")
+            assert ok(d2.smolctl("exec", listed, "--", "true")) == ""   # the allowlisted one is kept
+            gone = d2.smolctl("exec", public, "--", "true")
+            assert gone.returncode != 0
+            ok(d2.smolctl("rm", listed))
+            assert network_leftovers(namespace_name(listed), host_if_name(listed)) == []
+        finally:
+            d2.terminate()
+    finally:
+        d1.kill()
+        for pid in processes_mentioning(str(workdir / "state")):
+            os.kill(pid, signal.SIGKILL)
+        for m in (locals().get("public"), locals().get("listed")):
+            if m:
+                with __import__("contextlib").suppress(Exception):
+                    from smold.net.manager import remove_network
+                    remove_network(namespace_name(m), host_if_name(m))
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 @pytest.mark.parametrize("env", [{"net_pool": "10.214.7.0/24"}], indirect=True)
 async def test_port_forwards_are_reported_conflicts_refused_and_closed_on_destroy(env: Env) -> None:
     import socket
