@@ -134,7 +134,8 @@ def _copy_step(r: _Runner, task: taskdir.Task, step: taskdir.Step) -> None:
 
 def _reward(stub: pb_grpc.SmolStub, machine_id: str) -> tuple[float | None, dict[str, float], str]:
     """Harbor's reward rules (harbor.verifier.Verifier): reward.json if it exists (a number, or named numbers,
-    all kept), else reward.txt (one number); empty, non-numeric or non-finite is an error. Returns the reward
+    all kept; an empty object is a reward of 0, as Harbor's metrics count it), else reward.txt (one number); an
+    empty file, non-numeric or non-finite is an error. Returns the reward
     (the one named "reward", else the only one, else the lowest: a pass needs every reward at least 1), all
     rewards, and an error."""
     def read(path: str) -> bytes | None:
@@ -157,8 +158,8 @@ def _reward(stub: pb_grpc.SmolStub, machine_id: str) -> tuple[float | None, dict
         for key, value in rewards.items():
             if not isinstance(value, int | float) or not math.isfinite(value):
                 return None, {}, f"{REWARD_JSON}: reward {key!r} is {value!r}, not a finite number"
-        if not rewards:
-            return None, {}, f"{REWARD_JSON} names no reward"
+        if not rewards:   # Harbor keeps an empty object as no rewards, which its metrics count as 0
+            return 0.0, {}, ""
         values = {str(k): float(v) for k, v in rewards.items()}
         if "reward" in values:
             return values["reward"], values, ""

@@ -114,6 +114,7 @@ def test_timeouts_and_missing_reward(daemon: DaemonProcess, tmp_path: Path) -> N
     ('{"reward": NaN}', (1, None, {}, "not a finite number")),
     ('{"reward": "1"}', (1, None, {}, "not a finite number")),
     ("", (1, None, {}, "reward.json is empty")),
+    ("{}", (1, 0.0, {}, "")),   # no rewards: Harbor's metrics count it as 0, not as an error
 ])
 def test_harbor_reward_rules(daemon: DaemonProcess, tmp_path: Path, reward_json: str, expected: tuple) -> None:
     """reward.json first, with every named reward kept (Harbor 0.26's Verifier); a reward.txt beside it is
