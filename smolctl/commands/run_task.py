@@ -341,18 +341,18 @@ def _run_steps(r: _Runner, task: taskdir.Task) -> tuple[float | None, dict[str, 
                 r.steps.append({"name": f"{label}min_reward", "ok": False, "detail": ", ".join(missed) + ": stop",
                                 "duration_s": 0.0, "output_tail": ""})
                 break
-    scored = [rec["rewards"] for rec in results if rec["rewards"]]
+    scored = [rec["rewards"] for rec in results if rec["reward"] is not None]   # {} scored: no rewards, 0
     if not scored:
         errors = "; ".join(f"step {rec['name']}: {rec['error']}" for rec in results if rec["error"])
         return None, {}, errors or "no step wrote a reward", results
     if task.reward_strategy == "final":
-        rewards = results[-1]["rewards"]
-        if not rewards:
+        if results[-1]["reward"] is None:
             return None, {}, f"step {results[-1]['name']}: {results[-1]['error']}", results
+        rewards = results[-1]["rewards"]
     else:
         keys = {k for rw in scored for k in rw}
         rewards = {k: sum(rw.get(k, 0.0) for rw in scored) / len(scored) for k in sorted(keys)}
-    reward = rewards["reward"] if "reward" in rewards else min(rewards.values())
+    reward = rewards["reward"] if "reward" in rewards else min(rewards.values(), default=0.0)
     return reward, rewards, "", results
 
 

@@ -325,6 +325,16 @@ def test_the_final_strategy_takes_the_last_steps_rewards(daemon: DaemonProcess, 
     assert (code, out["reward"], [s["reward"] for s in out["step_results"]]) == (0, 1.0, [0.0, 1.0]), out
 
 
+def test_a_step_with_an_empty_reward_object_counts_zero(daemon: DaemonProcess, tmp_path: Path) -> None:
+    steps = {"one": ("true\n", "echo 1 > /logs/verifier/reward.txt\n"),
+             "two": ("true\n", "echo '{}' > /logs/verifier/reward.json\n")}
+    toml = STEPS_TOML + '[[steps]]\nname = "one"\n[[steps]]\nname = "two"\n'
+    code, out = run_task(daemon, write_steps_task(tmp_path, "empty", steps, toml))
+    assert [(s["reward"], s["rewards"], s["error"]) for s in out["step_results"]] == [
+        (1.0, {"reward": 1.0}, ""), (0.0, {}, "")], out
+    assert (code, out["reward"], out["rewards"]) == (1, 0.5, {"reward": 0.5}), out   # Harbor: the missing key is 0
+
+
 def test_multi_step_task_errors() -> None:
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
