@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import os
 import secrets
 import shutil
@@ -444,9 +445,10 @@ def _connect(addr: str, port: int) -> socket.socket:
 
 
 async def test_a_running_machines_policy_changes_atomically_cuts_old_connections_and_survives_adoption(
-        world: dict[str, str], tmp_path: Path) -> None:
+        world: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """network = "closed" (a NIC, nothing allowed), then an allowlist, then closed again, then public: each
-    change is in force at once; a connection the old policy let through and the new one does not is cut;
+    change is in force at once; a connection the old policy let through and the new one does not is cut, one
+    both allow lives on; a change nft refuses leaves the old policy in force;
     the counters and denied destinations of every policy stay in the report; a restarted daemon re-adopts the
     policy in force, not the one the machine was created with."""
     from smold.net.rules import HOST_TABLE, SET_PUBLIC_UPLINKS
@@ -472,6 +474,21 @@ async def test_a_running_machines_policy_changes_atomically_cuts_old_connections
         conn = await as_guest(_connect, addr_a, ECHO_PORT)
         try:
             assert await asyncio.to_thread(_echo_once, conn, b"one") == "echoed"
+            both = NetworkPolicy((AllowRule("cidr", f"{addr_a}/32"), AllowRule("cidr", f"{world['addr_b']}/32")))
+            await mgr.update(net, both, tmp_path)                                   # a wider allowlist
+            assert await asyncio.to_thread(_echo_once, conn, b"kept") == "echoed"  # allowed by both: it lives
+            assert await as_guest(_http_get, world["addr_b"], HTTP_PORT) == "ok"
+            # a change that fails (nft refuses it) leaves the policy in force, in the rules and in net.json
+            real_apply = nft.apply
+            monkeypatch.setattr(nft, "apply", lambda *a, **k: (_ for _ in ()).throw(NetError("refused")))
+            with pytest.raises(NetError, match="refused"):
+                await mgr.update(net, NetworkPolicy(), tmp_path)
+            monkeypatch.setattr(nft, "apply", real_apply)
+            assert net.policy == both and net.generation == 4   # a failed change's number is never reused
+            assert json.loads((tmp_path / "net.json").read_text())["policy"]["allow"] == [
+                addr_a, world["addr_b"]]
+            assert await asyncio.to_thread(_echo_once, conn, b"still") == "echoed"
+            assert await as_guest(_http_get, world["addr_b"], HTTP_PORT) == "ok"
             await mgr.update(net, NetworkPolicy(), tmp_path)                        # closed again
             assert await asyncio.to_thread(_echo_once, conn, b"two") != "echoed"   # the open connection is cut
         finally:
@@ -488,18 +505,18 @@ async def test_a_running_machines_policy_changes_atomically_cuts_old_connections
         assert net.host_if in members
         with pytest.raises(NetError, match="port forwards are fixed"):
             await mgr.update(net, NetworkPolicy(forward=(PortForward(80),)), tmp_path)
-        assert net.resolved.public and net.generation == 4     # a refused change changes nothing
+        assert net.resolved.public and net.generation == 6     # a refused change changes nothing
 
         # a restarted daemon: the policy in force (public), not the created one (closed)
         assert net.dns is not None
         await net.dns.close()
         fresh = NetworkManager(AddressPool("10.214.15.0/24"), resolve=lambda n: [])
         adopted = await fresh.adopt(mid, created, tmp_path)
-        assert adopted.policy.public and adopted.generation == 4
+        assert adopted.policy.public and adopted.generation == 6
         mgr, net = fresh, adopted
         await mgr.update(net, NetworkPolicy(), tmp_path)
         members = await asyncio.to_thread(nft.set_elements, None, SET_PUBLIC_UPLINKS, HOST_TABLE)
-        assert net.host_if not in members and net.generation == 5
+        assert net.host_if not in members and net.generation == 7
     finally:
         echo.kill()
         echo.wait()
