@@ -21,9 +21,9 @@ from inspect_ai.util._sandbox.self_check import *  # noqa: F403
 from microvm import VM_CPUS
 from test_daemon_vm import Daemon, vmm_processes
 
-import smol
-from smol.inspect_sandbox import SmolSandboxEnvironment
+import smolsdk
 from smold.kvm.api import is_pvm
+from smolsdk.inspect_sandbox import SmolSandboxEnvironment
 
 pytestmark = [pytest.mark.kvm, pytest.mark.linux, pytest.mark.timeout(3600)]
 
@@ -58,7 +58,7 @@ def vm() -> Iterator[tuple[Path, str]]:
     d = Path(tempfile.mkdtemp(prefix="smins-", dir="/tmp"))
     daemon = Daemon(d).start()
     try:
-        with smol.Client(daemon.socket) as client:
+        with smolsdk.Client(daemon.socket) as client:
             t0 = time.monotonic()
             m = client.create(toml=SMOLFILE, base_dir=d)
             print(f"\nboot: {time.monotonic() - t0:.1f}s")
@@ -80,7 +80,7 @@ async def sandbox_env(vm: tuple[Path, str], request: pytest.FixtureRequest) -> A
     if reason and is_pvm():
         request.node.add_marker(pytest.mark.xfail(reason=reason, strict=False))
     sock, machine_id = vm
-    env = SmolSandboxEnvironment(smol.AsyncClient(sock), machine_id, "/")
+    env = SmolSandboxEnvironment(smolsdk.AsyncClient(sock), machine_id, "/")
     try:
         yield env
     finally:

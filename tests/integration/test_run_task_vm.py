@@ -1,5 +1,5 @@
 """Harbor-format tasks on real microVMs: smolctl run-task (one boot), and the real Harbor's trial in
-smol.harbor_env.SmolEnvironment (one boot; Harbor runs in $SMOL_HARBOR_PYTHON, see tests/unit/test_harbor_cli.py)."""
+smolsdk.harbor_env.SmolEnvironment (one boot; Harbor runs in $SMOL_HARBOR_PYTHON, see tests/unit/test_harbor_cli.py)."""
 
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def test_harbor_trial_on_a_vm() -> None:
         env = {**os.environ, "SMOL_SOCKET": str(daemon.socket), "HOME": str(d / "home"), "COLUMNS": "500",
                "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
         r = subprocess.run([str(Path(HARBOR_PYTHON).parent / "harbor"), "trials", "start", "-p", str(task),
-                            "-a", "oracle", "--env", "smol.harbor_env:SmolEnvironment", "--trials-dir",
+                            "-a", "oracle", "--env", "smolsdk.harbor_env:SmolEnvironment", "--trials-dir",
                             str(d / "trials"), "--trial-name", "vm-harbor__1"],
                            capture_output=True, text=True, timeout=1700, env=env)
         print(f"\nHarbor trial on a VM: {time.monotonic() - t0:.1f}s")

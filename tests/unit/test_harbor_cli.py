@@ -1,5 +1,5 @@
-"""The real Harbor (0.26, Python >= 3.12) runs trials in smol.harbor_env.SmolEnvironment: ``harbor trials
-start -a oracle --env smol.harbor_env:SmolEnvironment`` on task directories these tests write.
+"""The real Harbor (0.26, Python >= 3.12) runs trials in smolsdk.harbor_env.SmolEnvironment: ``harbor trials
+start -a oracle --env smolsdk.harbor_env:SmolEnvironment`` on task directories these tests write.
 
 Harbor runs in its own interpreter, ``$SMOL_HARBOR_PYTHON`` (``.ci/harbor-python`` builds it; CI always sets
 it, elsewhere the tests are skipped without it). The daemon's machines are the task launcher's sandboxes
@@ -21,7 +21,7 @@ import pytest
 from daemon_support import DaemonProcess, daemon_in_tempdir
 from test_run_task import write_task
 
-import smol
+import smolsdk
 
 ROOT = Path(__file__).resolve().parents[2]
 HARBOR_PYTHON = os.environ.get("SMOL_HARBOR_PYTHON", "")
@@ -52,7 +52,7 @@ def trial(daemon: DaemonProcess, task: Path, out: Path, *extra: str) -> tuple[su
     name = f"{task.name}__{uuid.uuid4().hex[:6]}"
     bindir = Path(HARBOR_PYTHON).parent
     r = subprocess.run([str(bindir / "harbor"), "trials", "start", "-p", str(task), "-a", "oracle",
-                        "--env", "smol.harbor_env:SmolEnvironment", "--trials-dir", str(out), "--trial-name", name,
+                        "--env", "smolsdk.harbor_env:SmolEnvironment", "--trials-dir", str(out), "--trial-name", name,
                         *extra], capture_output=True, text=True, timeout=240, env=harbor_env(daemon, out / "home"))
     result = out / name / "result.json"
     return r, json.loads(result.read_text()) if result.exists() else None
@@ -65,7 +65,7 @@ def reward(result: dict | None) -> float | None:
 
 
 def machines(daemon: DaemonProcess) -> list:
-    with smol.Client(daemon.socket) as c:
+    with smolsdk.Client(daemon.socket) as c:
         return c.list()
 
 
@@ -134,7 +134,7 @@ CHECK_POLICIES = r"""
 import json, sys
 from pathlib import Path
 from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
-from smol.harbor_env import SmolEnvironment
+from smolsdk.harbor_env import SmolEnvironment
 env_dir = Path(sys.argv[1])
 def make(**policy):
     return SmolEnvironment(env_dir, "t", "t__1", None, EnvironmentConfig(cpus=2, memory_mb=768),
@@ -179,7 +179,7 @@ def test_network_policies_become_the_smolfile_or_are_refused_by_harbor(daemon: D
 
 CHECK_OPTIONS = r"""
 import json
-from smol.harbor_env import SmolEnvironment
+from smolsdk.harbor_env import SmolEnvironment
 out = {}
 for name, kwargs in (("ok", {"socket": "/run/x.sock", "public_network": "off"}), ("bad", {"public_network": "maybe"}),
                      ("typo", {"sokcet": "/run/x.sock"})):

@@ -1,4 +1,4 @@
-"""smol.harbor_env.SmolEnvironment driven the way Harbor drives an environment for an oracle trial."""
+"""smolsdk.harbor_env.SmolEnvironment driven the way Harbor drives an environment for an oracle trial."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from daemon_support import DaemonProcess, daemon_in_tempdir
 from test_run_task import write_task
 
-import smol
-from smol.harbor_env import SmolEnvironment
+import smolsdk
+from smolsdk.harbor_env import SmolEnvironment
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
@@ -57,7 +57,7 @@ async def test_passing_and_failing_oracles(daemon: DaemonProcess, tmp_path: Path
     bad = write_task(tmp_path, "bad", "echo 41 > answer.txt\n")
     assert await oracle_trial(daemon, good, tmp_path / "o1") == 1.0
     assert await oracle_trial(daemon, bad, tmp_path / "o2") == 0.0
-    async with smol.AsyncClient(daemon.socket) as c:
+    async with smolsdk.AsyncClient(daemon.socket) as c:
         assert await c.list() == []
 
 
@@ -74,7 +74,7 @@ async def test_exec_files_and_capabilities(daemon: DaemonProcess, tmp_path: Path
     env = make_env(daemon, task)
     caps = env.capabilities
     assert (caps.disable_internet, caps.network_allowlist, caps.gpus, caps.mounted) == (True, True, False, False)
-    assert env.type().value == "smol"
+    assert env.type().value == "smold"   # not "smol": Harbor's built-in environment of smolmachines
     await env.start(force_build=True)
     try:
         r = await env.exec('echo "$A$B $(pwd)"; echo e >&2; exit 3', env={"B": "2"})

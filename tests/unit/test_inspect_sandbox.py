@@ -19,8 +19,8 @@ from daemon_support import DaemonProcess
 from inspect_ai.util._sandbox.registry import registry_find_sandboxenv
 from inspect_ai.util._sandbox.self_check import *  # noqa: F403
 
-import smol
-from smol.inspect_sandbox import SmolSandboxConfig, SmolSandboxEnvironment
+import smolsdk
+from smolsdk.inspect_sandbox import SmolSandboxConfig, SmolSandboxEnvironment
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
@@ -57,8 +57,8 @@ async def sandbox_env(daemon: DaemonProcess, request: pytest.FixtureRequest) -> 
         await SmolSandboxEnvironment.sample_cleanup("self-check", config, envs, False)
 
 
-async def _machines(daemon: DaemonProcess) -> list[smol.MachineInfo]:
-    async with smol.AsyncClient(daemon.socket) as c:
+async def _machines(daemon: DaemonProcess) -> list[smolsdk.MachineInfo]:
+    async with smolsdk.AsyncClient(daemon.socket) as c:
         return await c.list()
 
 
@@ -95,7 +95,7 @@ async def test_cli_cleanup_destroys_only_inspect_machines(daemon: DaemonProcess,
     monkeypatch.setenv("SMOL_SOCKET", str(daemon.socket))
     config = _config(daemon, "cli-cleanup")
     await SmolSandboxEnvironment.sample_init("t", config, {})
-    async with smol.AsyncClient(daemon.socket) as c:
+    async with smolsdk.AsyncClient(daemon.socket) as c:
         other = await c.create(name="not-inspect")
         await SmolSandboxEnvironment.cli_cleanup(None)
         assert [m.id for m in await c.list()] == [other.id]

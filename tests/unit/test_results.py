@@ -334,7 +334,7 @@ def test_kill_9_mid_run_is_interrupted_after_restart_and_its_machine_is_removed(
 
 
 def test_smolctl_and_the_sdk_read_stored_results(workdir: Path) -> None:
-    from smol import Client  # noqa: PLC0415
+    from smolsdk import Client  # noqa: PLC0415
 
     answer = workdir / "answer"
     task = workdir / "task"

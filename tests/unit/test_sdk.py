@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from daemon_support import DaemonProcess, daemon_in_tempdir
 
-import smol
+import smolsdk
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,7 +22,7 @@ def daemon() -> Iterator[DaemonProcess]:
 
 def test_sync_machine_lifecycle(daemon: DaemonProcess) -> None:
     guest = daemon.workdir / "g1"
-    with smol.Client(daemon.socket) as client:
+    with smolsdk.Client(daemon.socket) as client:
         with client.machine(toml='[env]\nGREETING = "hi"\n') as m:
             assert m.info.state == "running"
             assert [x.id for x in client.list()] == [m.id]
@@ -32,27 +32,27 @@ def test_sync_machine_lifecycle(daemon: DaemonProcess) -> None:
             assert m.copy_in(f"{guest}/a/b.bin", b"\x01\x02") == 2
             assert m.copy_out(f"{guest}/a/b.bin") == b"\x01\x02"
             events = list(m.exec_stream(["sh", "-c", "printf one; printf two >&2"]))
-            assert isinstance(events[-1], smol.Exit) and events[-1].exit_code == 0
-            assert b"".join(e.data for e in events if isinstance(e, smol.Stdout)) == b"one"
+            assert isinstance(events[-1], smolsdk.Exit) and events[-1].exit_code == 0
+            assert b"".join(e.data for e in events if isinstance(e, smolsdk.Stdout)) == b"one"
             t = m.exec(["sleep", "5"], timeout=0.5)
             assert t.timed_out and not t.ok
-            with pytest.raises(smol.NotFoundError):
+            with pytest.raises(smolsdk.NotFoundError):
                 m.copy_out(f"{guest}/missing")
-            with pytest.raises(smol.PermissionDeniedError):
+            with pytest.raises(smolsdk.PermissionDeniedError):
                 m.exec(["/etc/passwd"])
             mid = m.id
         assert client.list() == []
         client.destroy(mid)  # already gone: not an error
-        with pytest.raises(smol.NotFoundError):
+        with pytest.raises(smolsdk.NotFoundError):
             client.get(mid)
 
 
 def test_sync_context_destroys_on_exception(daemon: DaemonProcess) -> None:
-    with smol.Client(daemon.socket) as client:
+    with smolsdk.Client(daemon.socket) as client:
         with pytest.raises(RuntimeError), client.create() as m:
             raise RuntimeError("boom")
         assert all(x.id != m.id for x in client.list())
-        with pytest.raises(smol.InvalidArgumentError):
+        with pytest.raises(smolsdk.InvalidArgumentError):
             client.create(toml="cpus = 'many'\n")
         assert client.list() == []
 
@@ -66,7 +66,7 @@ kind = "file_matches"
 path = "{guest}/answer"
 content = "42\\n"
 """
-    with smol.Client(daemon.socket) as client:
+    with smolsdk.Client(daemon.socket) as client:
         res = client.run(toml=toml)
         assert res.passed and [s.name for s in res.steps][-1] == "task"
         assert res.outcome == res.result.outcome == "pass" and res.result.outcome_detail == "all 1 checks passed"
@@ -81,12 +81,12 @@ content = "42\\n"
 
 
 async def test_async_machine_and_cancellation(daemon: DaemonProcess) -> None:
-    async with smol.AsyncClient(daemon.socket) as client:
+    async with smolsdk.AsyncClient(daemon.socket) as client:
         async with client.machine() as m:
             r = await m.exec(["sh", "-c", "cat; echo done"], stdin="in\n")
             assert r.stdout == b"in\ndone\n" and r.exit_code == 0
             events = [e async for e in m.exec_stream("echo streamed")]
-            assert events[0] == smol.Stdout(b"streamed\n")
+            assert events[0] == smolsdk.Stdout(b"streamed\n")
         assert await client.list() == []
 
         async def work() -> None:
@@ -106,15 +106,15 @@ async def test_async_machine_and_cancellation(daemon: DaemonProcess) -> None:
 
 
 async def test_async_errors(daemon: DaemonProcess) -> None:
-    async with smol.AsyncClient(daemon.socket) as client:
-        with pytest.raises(smol.NotFoundError):
+    async with smolsdk.AsyncClient(daemon.socket) as client:
+        with pytest.raises(smolsdk.NotFoundError):
             await client.exec("nope", ["true"])
-        with pytest.raises(smol.InvalidArgumentError) as ei:
+        with pytest.raises(smolsdk.InvalidArgumentError) as ei:
             await client.create(toml="memory = 12\nbogus = 1\n")
         assert ei.value.code.name == "INVALID_ARGUMENT"
         assert await client.list() == []
 
 
 def test_unreachable_daemon(tmp_path: Path) -> None:
-    with smol.Client(tmp_path / "nothing.sock", timeout=5) as client, pytest.raises(smol.UnavailableError):
+    with smolsdk.Client(tmp_path / "nothing.sock", timeout=5) as client, pytest.raises(smolsdk.UnavailableError):
         client.list()

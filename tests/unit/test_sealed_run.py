@@ -187,7 +187,7 @@ async def test_a_runs_outputs_and_verifier_logs_are_kept_with_its_result(env) ->
             str(d / "logs.tar")]
     assert await asyncio.to_thread(smolctl, argv) == 0 and (d / "logs.tar").read_bytes() == logs.content
     assert await asyncio.to_thread(smolctl, argv) == 2  # never overwritten
-    from smol import AsyncClient, NotFoundError  # noqa: PLC0415
+    from smolsdk import AsyncClient, NotFoundError  # noqa: PLC0415
 
     async with AsyncClient(d / "smold.sock") as client:
         assert await client.get_artifact(resp.result_id, "verifier-logs.tar") == logs.content

@@ -1,4 +1,4 @@
-"""The asyncio smol client: the same calls as smol.Client, awaited; machines destroyed even on cancellation."""
+"""The asyncio smol client: the same calls as smolsdk.Client, awaited; machines destroyed even on cancellation."""
 
 from __future__ import annotations
 

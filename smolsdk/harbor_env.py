@@ -1,4 +1,4 @@
-"""A Harbor environment backed by a smol microVM: ``--environment-import-path smol.harbor_env:SmolEnvironment``.
+"""A Harbor environment backed by a smol microVM: ``--environment-import-path smolsdk.harbor_env:SmolEnvironment``.
 
 Harbor (harbor.environments.base.BaseEnvironment) needs Python >= 3.12; where it is not installed this module
 defines a stand-in base with the same constructor and helpers, so the class can be used and tested without it.
@@ -105,9 +105,10 @@ except ImportError:
 
 
 class SmolEnvironmentType(enum.StrEnum):
-    """Harbor's EnvironmentType has no member for smol; this carries the same ``.value`` protocol."""
+    """Harbor's EnvironmentType has no member for smold; this carries the same ``.value`` protocol. Not "smol":
+    that is Harbor's built-in environment for the Smol Machines engine (PyPI's smolmachines)."""
 
-    SMOL = "smol"
+    SMOLD = "smold"
 
 
 if HAVE_HARBOR:
@@ -155,7 +156,7 @@ class SmolEnvironment(_Base):
 
     @staticmethod
     def type() -> Any:
-        return SmolEnvironmentType.SMOL
+        return SmolEnvironmentType.SMOLD
 
     @property
     def capabilities(self) -> Any:
