@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
+import math
+import os
 import posixpath
+import re
 import shlex
 import stat
 import uuid
@@ -19,6 +23,13 @@ from inspect_ai.util import (
     SandboxEnvironmentLimits,
     SandboxUnavailableError,
     sandboxenv,
+)
+from inspect_ai.util._sandbox.compose import (
+    COMPOSE_FILES,
+    ComposeConfig,
+    is_compose_yaml,
+    is_dockerfile,
+    parse_compose_yaml,
 )
 from pydantic import BaseModel
 
@@ -48,34 +59,123 @@ class SmolSandboxConfig(BaseModel, frozen=True):
     """The provider's configuration: a Smolfile, the working directory, smold's socket."""
 
     smolfile: str | None = None   # path to a Smolfile.toml (or a directory holding one); None: the empty one
-    workdir: str = DEFAULT_WORKDIR  # relative paths in exec(cwd=), read_file and write_file are under it
+    workdir: str | None = DEFAULT_WORKDIR  # relative paths in exec(cwd=), read_file and write_file are under
+                                           # it; None: the image's working directory (as Docker)
     socket: str | None = None     # smold's Unix socket; None: $SMOL_SOCKET, else /run/smold/smold.sock
+    toml: str | None = None       # Smolfile text instead of a path (a compose.yaml becomes one)
+    user: str | None = None       # who runs commands that name no user; None: root
 
 
 def _config(config: SandboxEnvironmentConfigType | None) -> SmolSandboxConfig:
+    """The provider's config from what Inspect passes: nothing, a Smolfile path, a compose.yaml path or a parsed
+    ComposeConfig (the provider is Docker-compatible), a Dockerfile path (refused until smold builds
+    Dockerfiles), or a SmolSandboxConfig."""
     if config is None:
         return SmolSandboxConfig()
-    if isinstance(config, str):
-        return SmolSandboxConfig(smolfile=config)
     if isinstance(config, SmolSandboxConfig):
         return config
-    raise ValueError(f"smol sandbox: config must be a Smolfile path or SmolSandboxConfig, got {type(config)}")
+    if isinstance(config, ComposeConfig):
+        return compose_config(config)
+    if isinstance(config, str):
+        if is_dockerfile(config):
+            raise ValueError(f"smol sandbox: {config}: Dockerfile configs are not supported yet (smold does not "
+                             "build Dockerfiles); use a compose.yaml whose service names a registry image")
+        if is_compose_yaml(config):
+            return compose_config(parse_compose_yaml(config), source=config)
+        return SmolSandboxConfig(smolfile=config)
+    raise ValueError(f"smol sandbox: config must be a Smolfile path, a compose.yaml or SmolSandboxConfig, "
+                     f"got {type(config)}")
+
+
+# Compose service fields the translation reads; command/entrypoint only as a keep-alive (a microVM needs none).
+_COMPOSE_FIELDS = {"image", "working_dir", "environment", "network_mode", "user", "cpus", "mem_limit", "deploy",
+                   "command", "entrypoint", "init", "x_default"}
+_KEEP_ALIVE = {("tail", "-f", "/dev/null"), ("sleep", "infinity"), ("sleep", "inf")}
+_DOCKER_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def compose_config(compose: ComposeConfig, *, source: str = "compose config") -> SmolSandboxConfig:
+    """A single-service Docker Compose config as a smol machine, as Inspect's Docker provider would run it:
+    the service's ``image`` (pulled through smold's OCI store), ``working_dir`` (else the image's),
+    ``environment`` (a name without a value takes the caller's), ``user``, ``cpus``/``mem_limit`` or
+    ``deploy.resources.limits``, and ``network_mode`` (``none``: no network; unset or ``bridge``: Docker's
+    default, the internet, which smold gives as public egress). Anything else, a ``build``, or a second
+    service is refused with the fields named, never dropped."""
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"smol sandbox: {source}: {why}")
+
+    if len(compose.services) != 1:
+        raise refuse(f"smol runs one service per sample, found {len(compose.services)}: "
+                     f"{', '.join(compose.services)}")
+    if compose.volumes or compose.networks:
+        raise refuse("top-level volumes and networks are not supported")
+    (name, svc), = compose.services.items()
+    used = {k for k in svc.model_fields_set if getattr(svc, k) is not None} | set(svc.extensions)
+    unsupported = sorted(k for k in used - _COMPOSE_FIELDS if not k.startswith("x-"))
+    if svc.build is not None:
+        raise refuse(f"service {name!r}: build is not supported yet (smold does not build Dockerfiles); "
+                     "name a registry image")
+    if unsupported:
+        raise refuse(f"service {name!r}: not supported: {', '.join(unsupported)}")
+    if not svc.image:
+        raise refuse(f"service {name!r} names no image")
+    for field in ("command", "entrypoint"):
+        value = getattr(svc, field)
+        argv = tuple(value.split() if isinstance(value, str) else value or ())
+        if argv and argv not in _KEEP_ALIVE:
+            raise refuse(f"service {name!r}: {field} {value!r}: smol runs no service command (a machine stays "
+                         "up by itself); only a keep-alive such as 'tail -f /dev/null' is accepted")
+    lines = [f"image = {json.dumps(svc.image)}"]
+    limits = svc.deploy.resources.limits if svc.deploy and svc.deploy.resources else None
+    if svc.deploy is not None and (svc.deploy.resources is None or svc.deploy.resources.reservations
+                                   or set(svc.deploy.model_fields_set) - {"resources"}):
+        raise refuse(f"service {name!r}: of deploy, only resources.limits (cpus, memory) is supported")
+    cpus = svc.cpus if svc.cpus is not None else (float(limits.cpus) if limits and limits.cpus else None)
+    if cpus is not None:
+        lines.append(f"cpus = {max(1, math.ceil(cpus))}")
+    memory = svc.mem_limit or (limits.memory if limits else None)
+    if memory is not None:
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([bkmg]?)b?", str(memory).strip().lower())
+        if m is None:
+            raise refuse(f"service {name!r}: memory {memory!r} is not a Docker size (e.g. 512m, 2g)")
+        lines.append(f"memory = {max(1, math.ceil(float(m[1]) * _DOCKER_UNITS[m[2]] / (1 << 20)))}")
+    mode = svc.network_mode
+    if mode in (None, "bridge", "default"):
+        lines.append('network = "public"')
+    elif mode != "none":
+        raise refuse(f"service {name!r}: network_mode {mode!r} is not supported (none, or bridge: the internet)")
+    env: dict[str, str] = {}
+    items = svc.environment.items() if isinstance(svc.environment, dict) else (
+        tuple(e.split("=", 1)) if "=" in e else (e, None) for e in svc.environment or ())
+    for key, value in items:
+        if value is None:
+            value = os.environ.get(key)
+        if value is not None:
+            env[key] = str(value)
+    if env:
+        lines.append("[env]")
+        lines.extend(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in env.items())
+    return SmolSandboxConfig(toml="\n".join(lines) + "\n", workdir=svc.working_dir, user=svc.user)
 
 
 @sandboxenv(name="smol")
 class SmolSandboxEnvironment(SandboxEnvironment):
     """A smol microVM as an Inspect sandbox. Commands run as root unless ``user`` is given."""
 
-    def __init__(self, client: AsyncClient, machine_id: str, workdir: str) -> None:
+    def __init__(self, client: AsyncClient, machine_id: str, workdir: str, user: str | None = None) -> None:
         super().__init__()
         self.client = client
         self.machine_id = machine_id
         self.workdir = workdir
+        self.user = user   # who runs a command that names no user (a compose service's user); None: root
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     @classmethod
     def config_files(cls) -> list[str]:
-        return ["Smolfile.toml"]
+        """Found in a task's directory in this order. The compose files make the provider Docker-compatible (an
+        eval written for Docker keeps its config under ``--sandbox smol``); a Dockerfile is found so that it is
+        refused with a reason, not ignored."""
+        return ["Smolfile.toml", *COMPOSE_FILES, "Dockerfile"]
 
     @classmethod
     def config_deserialize(cls, config: dict[str, Any]) -> BaseModel:
@@ -83,7 +183,7 @@ class SmolSandboxEnvironment(SandboxEnvironment):
 
     @classmethod
     async def task_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None) -> None:
-        cfg = _config(config)
+        cfg = _config(config)   # a compose.yaml or Dockerfile smol cannot run is refused here, before any sample
         if cfg.smolfile is not None and not Path(cfg.smolfile).exists():
             raise FileNotFoundError(errno.ENOENT, "Smolfile not found", cfg.smolfile)
 
@@ -95,15 +195,17 @@ class SmolSandboxEnvironment(SandboxEnvironment):
         name = f"{NAME_PREFIX}{uuid.uuid4().hex[:16]}"
         _LIVE.add((client.socket, name))
         try:
-            machine = await client.create(cfg.smolfile, name=name)  # destroys by name if interrupted
+            machine = await client.create(cfg.smolfile, toml=cfg.toml, name=name)  # destroyed by name if interrupted
         except BaseException:
             _LIVE.discard((client.socket, name))
             await client.close()
             raise
-        env = cls(client, machine.id, cfg.workdir)
+        env = cls(client, machine.id, cfg.workdir or "/", cfg.user)
         _LIVE.discard((client.socket, name))
         _LIVE.add((client.socket, machine.id))
-        if cfg.workdir != "/":
+        if cfg.workdir is None:   # the image's working directory: where a command that names none runs
+            env.workdir = (await env._exec_checked(["pwd"])).strip() or "/"
+        elif cfg.workdir != "/":
             await env._exec_checked(["mkdir", "-p", "--", cfg.workdir])
         return {"default": env}
 
@@ -176,6 +278,7 @@ class SmolSandboxEnvironment(SandboxEnvironment):
         limit = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
         out, err = _Tail(limit), _Tail(limit)
         done: Exit | None = None
+        user = user or self.user
         stream = self.client.exec_stream(self.machine_id, cmd, env=env, cwd=self._path(cwd or "."), user=user,
                                          stdin=input, timeout=timeout)
         try:

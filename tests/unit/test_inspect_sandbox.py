@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import shutil
 import tempfile
 import tomllib
@@ -140,3 +141,101 @@ async def test_exec_refused_by_the_guest_is_a_failed_command_not_an_unavailable_
     await sandbox_env.write_file("a-file", "x")
     r = await sandbox_env.exec(["true"], cwd="a-file")    # a working directory that is a file
     assert not r.success and r.returncode != 0, r
+
+
+# --- Docker compatibility: compose.yaml configs -------------------------------------------------------------------
+def _compose(tmp_path: Path, text: str, name: str = "compose.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_compose_service_becomes_a_smolfile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from smolsdk.inspect_sandbox import _config
+    monkeypatch.setenv("FROM_CALLER", "passed")
+    monkeypatch.delenv("UNSET_HERE", raising=False)
+    cfg = _config(_compose(tmp_path, """
+services:
+  default:
+    image: registry.local:5000/team/env:v2
+    x-local: true
+    init: true
+    command: tail -f /dev/null
+    working_dir: /app
+    user: agent
+    environment: ["A=1", "FROM_CALLER", "UNSET_HERE"]
+    cpus: 1.5
+    mem_limit: 1536m
+"""))
+    assert (cfg.workdir, cfg.user, cfg.smolfile) == ("/app", "agent", None)
+    assert tomllib.loads(cfg.toml or "") == {"image": "registry.local:5000/team/env:v2", "cpus": 2, "memory": 1536,
+                                             "network": "public", "env": {"A": "1", "FROM_CALLER": "passed"}}
+    cfg = _config(_compose(tmp_path, """
+services:
+  box:
+    image: python:3.12-slim
+    network_mode: none
+    environment: {B: "two", FROM_CALLER: null}
+    deploy: {resources: {limits: {cpus: "0.5", memory: 2g}}}
+"""))
+    assert cfg.workdir is None and cfg.user is None   # the image's working directory, root
+    assert tomllib.loads(cfg.toml or "") == {"image": "python:3.12-slim", "cpus": 1, "memory": 2048,
+                                             "env": {"B": "two", "FROM_CALLER": "passed"}}   # no network
+
+
+@pytest.mark.parametrize("text, why", [
+    ("services:\n  a: {image: x}\n  b: {image: y}\n", "one service per sample, found 2: a, b"),
+    ("services:\n  default: {build: .}\n", "build is not supported yet"),
+    ("services:\n  default: {image: x, ports: ['80:80'], privileged: true}\n", "not supported: ports, privileged"),
+    ("services:\n  default: {image: x, network_mode: host}\n", "network_mode 'host' is not supported"),
+    ("services:\n  default: {image: x, command: python3 -m http.server}\n", "smol runs no service command"),
+    ("services:\n  default: {image: x, mem_limit: lots}\n", "'lots' is not a Docker size"),
+    ("services:\n  default: {working_dir: /app}\n", "names no image"),
+    ("services:\n  default: {image: x}\nvolumes: {data: {}}\n", "top-level volumes and networks"),
+])
+def test_what_smol_cannot_run_from_a_compose_file_is_refused_not_dropped(tmp_path: Path, text: str, why: str) -> None:
+    from smolsdk.inspect_sandbox import _config
+    with pytest.raises(ValueError, match=re.escape(why)):
+        _config(_compose(tmp_path, text))
+
+
+async def test_a_dockerfile_config_is_refused_at_task_init(tmp_path: Path) -> None:
+    (tmp_path / "Dockerfile").write_text("FROM debian\n")
+    with pytest.raises(ValueError, match="Dockerfile configs are not supported yet"):
+        await SmolSandboxEnvironment.task_init("t", str(tmp_path / "Dockerfile"))
+
+
+def test_the_provider_is_docker_compatible() -> None:
+    """Inspect keeps a Docker eval's compose.yaml when --sandbox smol replaces docker only for Docker-compatible
+    providers, and parses a serialized compose config for them."""
+    from inspect_ai.util._sandbox.environment import deserialize_sandbox_specific_config
+    assert SmolSandboxEnvironment.is_docker_compatible()
+    parsed = deserialize_sandbox_specific_config("smol", {"services": {"default": {"image": "alpine:3"}}})
+    from smolsdk.inspect_sandbox import _config
+    assert tomllib.loads(_config(parsed).toml or "")["image"] == "alpine:3"   # type: ignore[arg-type]
+
+
+async def test_a_compose_config_runs_as_its_service_would(daemon: DaemonProcess, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SMOL_SOCKET", str(daemon.socket))
+    work = daemon.workdir / "work" / "compose"
+    path = _compose(tmp_path, f"""
+services:
+  default:
+    image: default
+    command: ["sleep", "infinity"]
+    working_dir: {work}
+    network_mode: none
+    user: nobody
+    environment: {{GREETING: hello}}
+""")
+    await SmolSandboxEnvironment.task_init("t", path)
+    envs = await SmolSandboxEnvironment.sample_init("t", path, {})
+    env = envs["default"]
+    try:
+        assert isinstance(env, SmolSandboxEnvironment)
+        r = await env.exec(["sh", "-c", 'echo "$GREETING $(pwd) $(id -un)"'])
+        assert r.stdout.split() == ["hello", str(work), "nobody"], r
+        assert (await env.exec(["id", "-un"], user="root")).stdout.strip() == "root"   # a named user wins
+    finally:
+        await SmolSandboxEnvironment.sample_cleanup("t", path, envs, True)
