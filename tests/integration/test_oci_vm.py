@@ -184,3 +184,71 @@ run = 'test "$(cat /app/answer)" = 42 && test ! -e /usr/bin/python3 && test "$GR
             assert code == 0, daemon.log.read_text()[-4000:]
         registry.close()
     assert vmm_processes(workdir) == []
+
+
+INSPECT_CHECKS = ("test_read_and_write_file_text", "test_read_file_not_found", "test_read_file_is_directory",
+                  "test_write_text_file_without_permissions", "test_exec_output", "test_exec_stderr_utf",
+                  "test_exec_returncode", "test_exec_env_vars", "test_exec_input_binary", "test_cwd_relative",
+                  "test_exec_as_nonexistent_user")
+
+
+def test_inspect_sandbox_from_a_compose_file_whose_image_is_in_the_local_registry(workdir: Path) -> None:
+    """Issue #17: an Inspect eval written for Docker (a compose.yaml naming a registry image) runs on smol: the
+    provider takes the compose file, smold pulls the image and boots it, and a cross-section of Inspect's
+    sandbox self-check passes in that machine, with the service's working_dir and environment applied."""
+    import asyncio
+
+    from inspect_ai.util._sandbox import self_check
+
+    from smolsdk.inspect_sandbox import SmolSandboxEnvironment
+
+    built = build_image([host_programs("bash", "cat", "rm", "stat", "mkdir", "ls", "chmod", "sleep", "printf",
+                                       "touch", "whoami")],
+                        config={"Env": ["PATH=/bin", "GREETING=from-image"], "WorkingDir": "/"})
+    registry = LocalRegistry(workdir / "registry3")
+    daemon = None
+    try:
+        registry.push(write_layout(built, workdir / "inspect-layout"), "smol/inspect-base:v1")
+        compose = workdir / "inspect-task" / "compose.yaml"
+        compose.parent.mkdir()
+        compose.write_text(f"""
+services:
+  default:
+    image: {registry.host}/smol/inspect-base:v1
+    command: tail -f /dev/null
+    init: true
+    working_dir: /work
+    network_mode: none
+    environment: [GREETING=from-compose]
+    cpus: {VM_CPUS}
+    mem_limit: 512m
+""")
+        daemon = Daemon(workdir).start()
+        os.environ["SMOL_SOCKET"] = str(daemon.socket)
+
+        async def run() -> list[str]:
+            await SmolSandboxEnvironment.task_init("t", str(compose))
+            envs = await SmolSandboxEnvironment.sample_init("t", str(compose), {})
+            env = envs["default"]
+            failed = []
+            try:
+                r = await env.exec(["sh", "-c", 'echo "$GREETING $(pwd)"'])
+                assert r.stdout.split() == ["from-compose", "/work"], r
+                for name in INSPECT_CHECKS:
+                    try:
+                        await getattr(self_check, name)(env)
+                    except Exception as e:   # every check runs; the failures are listed together
+                        failed.append(f"{name}: {type(e).__name__}: {e}")
+            finally:
+                await SmolSandboxEnvironment.sample_cleanup("t", str(compose), envs, False)
+            return failed
+
+        failed = asyncio.run(run())
+        assert failed == [], "\n".join(failed)
+    finally:
+        os.environ.pop("SMOL_SOCKET", None)
+        if daemon is not None:
+            code = daemon.terminate()
+            assert code == 0, daemon.log.read_text()[-4000:]
+        registry.close()
+    assert vmm_processes(workdir) == []
