@@ -21,6 +21,7 @@ from .errors import (
 from .types import (
     Artifact,
     CheckResult,
+    DaemonInfo,
     ExecEvent,
     ExecResult,
     Exit,
@@ -34,7 +35,7 @@ from .types import (
 )
 
 __all__ = [
-    "AlreadyExistsError", "Artifact", "AsyncClient", "AsyncMachine", "CancelledError", "CheckResult", "Client",
+    "AlreadyExistsError", "Artifact", "AsyncClient", "AsyncMachine", "CancelledError", "CheckResult", "Client", "DaemonInfo",
     "DataLossError", "DeadlineExceededError", "ExecEvent", "ExecResult", "ExecStreamError", "Exit", "FailedPreconditionError",
     "InternalError", "InvalidArgumentError", "Machine", "MachineInfo", "NotFoundError", "PermissionDeniedError",
     "ResourceExhaustedError", "RunResult", "SmolError", "Stderr", "Stdout", "StepResult", "StoredResult",

@@ -18,6 +18,7 @@ from smold.api.v1 import smol_pb2_grpc as pb_grpc
 from . import _common as c
 from .errors import NotFoundError, from_rpc_error
 from .types import (
+    DaemonInfo,
     ExecCollector,
     ExecEvent,
     ExecResult,
@@ -115,6 +116,11 @@ class AsyncClient:
     async def list(self) -> builtins.list[MachineInfo]:
         resp = await self._call(self._stub.ListMachines(pb.ListMachinesRequest(), timeout=self.timeout))
         return [MachineInfo.from_proto(m) for m in resp.machines]
+
+    async def info(self) -> DaemonInfo:
+        """The daemon's limits and what of them is in use."""
+        return DaemonInfo.from_proto(await self._call(self._stub.GetDaemonInfo(pb.GetDaemonInfoRequest(),
+                                                                              timeout=self.timeout)))
 
     async def attach(self, machine_id: str) -> AsyncMachine:
         return AsyncMachine(self, await self.get(machine_id))

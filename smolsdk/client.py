@@ -16,6 +16,7 @@ from smold.api.v1 import smol_pb2_grpc as pb_grpc
 from . import _common as c
 from .errors import NotFoundError, from_rpc_error
 from .types import (
+    DaemonInfo,
     ExecCollector,
     ExecEvent,
     ExecResult,
@@ -91,6 +92,10 @@ class Client:
 
     def list(self) -> builtins.list[MachineInfo]:
         return [MachineInfo.from_proto(m) for m in self._call(self._stub.ListMachines, pb.ListMachinesRequest()).machines]
+
+    def info(self) -> DaemonInfo:
+        """The daemon's limits and what of them is in use."""
+        return DaemonInfo.from_proto(self._call(self._stub.GetDaemonInfo, pb.GetDaemonInfoRequest()))
 
     def attach(self, machine_id: str) -> Machine:
         """A handle on an existing machine."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import json
@@ -11,6 +12,7 @@ import posixpath
 import re
 import shlex
 import stat
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -34,6 +36,7 @@ from inspect_ai.util._sandbox.compose import (
 from pydantic import BaseModel
 
 from .aio import AsyncClient
+from .client import Client
 from .errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -46,6 +49,7 @@ from .errors import (
 from .types import Exit, Stderr, Stdout
 
 NAME_PREFIX = "inspect-"
+CAPACITY_WAIT_S = 1800.0   # how long a sample waits for smold's limits to leave room for its machine
 DEFAULT_WORKDIR = "/"
 
 # Machines created by this process and not yet destroyed: (socket, machine id). task_cleanup destroys them.
@@ -178,6 +182,20 @@ class SmolSandboxEnvironment(SandboxEnvironment):
         return ["Smolfile.toml", *COMPOSE_FILES, "Dockerfile"]
 
     @classmethod
+    def default_concurrency(cls) -> int | None:
+        """As many samples at once as smold's limits hold machines of the default size (GetDaemonInfo, from
+        $SMOL_SOCKET's daemon); None (no maximum) when it cannot be asked. A create refused for capacity
+        anyway (other clients' machines) waits for room: see sample_init."""
+        try:
+            with Client(timeout=10) as client:
+                return client.info().machines_that_fit
+        except SmolError:
+            return None
+
+    def default_polling_interval(self) -> float:
+        return 0.2   # an exec round trip is milliseconds on KVM: poll as Inspect's Docker provider does
+
+    @classmethod
     def config_deserialize(cls, config: dict[str, Any]) -> BaseModel:
         return SmolSandboxConfig(**config)
 
@@ -195,7 +213,7 @@ class SmolSandboxEnvironment(SandboxEnvironment):
         name = f"{NAME_PREFIX}{uuid.uuid4().hex[:16]}"
         _LIVE.add((client.socket, name))
         try:
-            machine = await client.create(cfg.smolfile, toml=cfg.toml, name=name)  # destroyed by name if interrupted
+            machine = await _create_when_room(client, cfg, name)
         except BaseException:
             _LIVE.discard((client.socket, name))
             await client.close()
@@ -356,6 +374,20 @@ class SmolSandboxEnvironment(SandboxEnvironment):
         except SmolError as e:
             raise _os_error(e, file) from None
         return data.decode("utf-8") if text else data
+
+
+async def _create_when_room(client: AsyncClient, cfg: SmolSandboxConfig, name: str) -> Any:
+    """Create the sample's machine (destroyed by name if interrupted); while smold refuses it for its machine or
+    memory limit (other samples' or clients' machines), wait for room, up to CAPACITY_WAIT_S."""
+    deadline, delay = time.monotonic() + CAPACITY_WAIT_S, 0.5
+    while True:
+        try:
+            return await client.create(cfg.smolfile, toml=cfg.toml, name=name)
+        except ResourceExhaustedError:
+            if time.monotonic() + delay > deadline:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 5.0)
 
 
 class _Tail:

@@ -39,6 +39,30 @@ class MachineInfo:
 
 
 @dataclass(frozen=True)
+class DaemonInfo:
+    """smold's limits and what of them is in use now (GetDaemonInfo)."""
+
+    max_machines: int
+    max_memory_mib: int
+    max_cpus: int
+    default_memory_mib: int
+    live_machines: int
+    memory_in_use_mib: int
+    public_network: bool
+
+    @classmethod
+    def from_proto(cls, r: pb.GetDaemonInfoResponse) -> DaemonInfo:
+        return cls(max_machines=r.max_machines, max_memory_mib=r.max_memory_mib, max_cpus=r.max_cpus,
+                   default_memory_mib=r.default_memory_mib, live_machines=r.live_machines,
+                   memory_in_use_mib=r.memory_in_use_mib, public_network=r.public_network)
+
+    @property
+    def machines_that_fit(self) -> int:
+        """How many machines of the default size the limits allow at once."""
+        return max(1, min(self.max_machines, self.max_memory_mib // max(1, self.default_memory_mib)))
+
+
+@dataclass(frozen=True)
 class Stdout:
     """A chunk of the command's standard output."""
 

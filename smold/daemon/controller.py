@@ -459,6 +459,10 @@ class Controller:
     def memory_in_use_mib(self) -> int:
         return sum(m.memory_mib for m in self._machines.values() if m.phase in LIVE)
 
+    @property
+    def live_machines(self) -> int:
+        return sum(1 for m in self._machines.values() if m.phase in LIVE)
+
     # --- create ---------------------------------------------------------------------------------------------
     async def create(self, smolfile: Smolfile, name: str = "", filename: str = "Smolfile.toml") -> MachineInfo:
         """Boot a machine, copy its mounts in, run its setup. CreateFailedError leaves it FAILED."""

@@ -13,6 +13,7 @@ from smold.api import convert
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 from smold.smolfile import Limits, Smolfile, SmolfileError
+from smold.smolfile.model import DEFAULT_MEMORY_MIB
 
 from .controller import Controller
 from .errors import DaemonError, InvalidRequestError
@@ -204,6 +205,15 @@ class SmolServicer(pb_grpc.SmolServicer):
             sf, filename = self._smolfile(request.smolfile)
             info = await self.controller.bake(sf, filename, replace=request.replace)
             return pb.BakeImageResponse(bake=convert.bake_to_proto(info))
+        return await self._call(context, go)
+
+    async def GetDaemonInfo(self, request: pb.GetDaemonInfoRequest, context: Any) -> pb.GetDaemonInfoResponse:
+        async def go() -> pb.GetDaemonInfoResponse:
+            c, ctl = self.controller.config, self.controller
+            return pb.GetDaemonInfoResponse(
+                max_machines=c.max_machines, max_memory_mib=c.max_memory_mib, max_cpus=c.max_cpus,
+                default_memory_mib=DEFAULT_MEMORY_MIB, live_machines=ctl.live_machines,
+                memory_in_use_mib=ctl.memory_in_use_mib, public_network=c.public_network)
         return await self._call(context, go)
 
     async def ListBakes(self, request: pb.ListBakesRequest, context: Any) -> pb.ListBakesResponse:

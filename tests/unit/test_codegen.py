@@ -72,7 +72,7 @@ def test_service_shape():
         "CreateMachine", "GetMachine", "ListMachines", "Exec", "CopyIn", "CopyOut",
         "Verify", "DestroyMachine", "SetNetworkPolicy", "Run", "Fork", "Snapshot", "ListCheckpoints", "DeleteCheckpoint",
         "BakeImage", "ListBakes", "DeleteBake", "PullImage", "ListImages", "RemoveImage", "PruneImages",
-        "GetResult", "ListResults", "GetArtifact", "PruneResults",
+        "GetResult", "ListResults", "GetArtifact", "PruneResults", "GetDaemonInfo",
     }  # fmt: skip
     for name, method in methods.items():
         assert method.input_type.name == f"{name}Request"

@@ -239,3 +239,36 @@ services:
         assert (await env.exec(["id", "-un"], user="root")).stdout.strip() == "root"   # a named user wins
     finally:
         await SmolSandboxEnvironment.sample_cleanup("t", path, envs, True)
+
+
+async def test_concurrency_follows_the_daemons_limits_and_a_sample_waits_for_room(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """default_concurrency is what smold's limits hold (GetDaemonInfo); a sample whose create smold refuses for
+    its limits (another client's machines) waits until a machine goes, instead of failing."""
+    import asyncio
+    d = Path(tempfile.mkdtemp(prefix="insp2-", dir="/tmp"))
+    proc = DaemonProcess(d, "--max-machines", "2", "--max-memory", "8192",
+                         launcher="sandbox_launcher:PrivateEtcLauncher").start()
+    try:
+        monkeypatch.setenv("SMOL_SOCKET", str(proc.socket))
+        assert SmolSandboxEnvironment.default_concurrency() == 2
+        async with smolsdk.AsyncClient(proc.socket) as c:
+            info = await c.info()
+            assert (info.max_machines, info.max_memory_mib, info.live_machines, info.public_network) == (2, 8192, 0,
+                                                                                                          True)
+            assert info.machines_that_fit == min(2, 8192 // info.default_memory_mib)
+            first, second = await c.create(name="other-1"), await c.create(name="other-2")
+            assert (await c.info()).live_machines == 2
+            sample = asyncio.create_task(SmolSandboxEnvironment.sample_init("t", None, {}))
+            await asyncio.sleep(2)
+            assert not sample.done()                       # refused for the machine limit: waiting, not failed
+            await c.destroy(first.id)
+            envs = await asyncio.wait_for(sample, 60)       # room: the sample's machine is made
+            assert len(await c.list()) == 2
+            await SmolSandboxEnvironment.sample_cleanup("t", None, envs, False)
+            await c.destroy(second.id)
+        monkeypatch.setenv("SMOL_SOCKET", str(d / "no-daemon.sock"))
+        assert SmolSandboxEnvironment.default_concurrency() is None   # no daemon to ask: no maximum
+    finally:
+        proc.kill()
+        shutil.rmtree(d, ignore_errors=True)

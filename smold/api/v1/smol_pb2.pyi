@@ -901,3 +901,25 @@ class ListResultsResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StoredResult]
     def __init__(self, results: _Optional[_Iterable[_Union[StoredResult, _Mapping]]] = ...) -> None: ...
+
+class GetDaemonInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetDaemonInfoResponse(_message.Message):
+    __slots__ = ("max_machines", "max_memory_mib", "max_cpus", "default_memory_mib", "live_machines", "memory_in_use_mib", "public_network")
+    MAX_MACHINES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPUS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    LIVE_MACHINES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_IN_USE_MIB_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_NETWORK_FIELD_NUMBER: _ClassVar[int]
+    max_machines: int
+    max_memory_mib: int
+    max_cpus: int
+    default_memory_mib: int
+    live_machines: int
+    memory_in_use_mib: int
+    public_network: bool
+    def __init__(self, max_machines: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., max_cpus: _Optional[int] = ..., default_memory_mib: _Optional[int] = ..., live_machines: _Optional[int] = ..., memory_in_use_mib: _Optional[int] = ..., public_network: _Optional[bool] = ...) -> None: ...

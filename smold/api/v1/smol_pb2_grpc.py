@@ -160,6 +160,11 @@ class SmolStub:
                 request_serializer=smol_dot_v1_dot_smol__pb2.PruneResultsRequest.SerializeToString,
                 response_deserializer=smol_dot_v1_dot_smol__pb2.PruneResultsResponse.FromString,
                 _registered_method=True)
+        self.GetDaemonInfo = channel.unary_unary(
+                '/smol.v1.Smol/GetDaemonInfo',
+                request_serializer=smol_dot_v1_dot_smol__pb2.GetDaemonInfoRequest.SerializeToString,
+                response_deserializer=smol_dot_v1_dot_smol__pb2.GetDaemonInfoResponse.FromString,
+                _registered_method=True)
 
 
 class SmolServicer:
@@ -336,6 +341,14 @@ class SmolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDaemonInfo(self, request, context):
+        """The daemon's limits and what of them is in use, so that clients can size their concurrency (the Inspect
+        provider's default_concurrency) instead of finding the limits by being refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SmolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -463,6 +476,11 @@ def add_SmolServicer_to_server(servicer, server):
                     servicer.PruneResults,
                     request_deserializer=smol_dot_v1_dot_smol__pb2.PruneResultsRequest.FromString,
                     response_serializer=smol_dot_v1_dot_smol__pb2.PruneResultsResponse.SerializeToString,
+            ),
+            'GetDaemonInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDaemonInfo,
+                    request_deserializer=smol_dot_v1_dot_smol__pb2.GetDaemonInfoRequest.FromString,
+                    response_serializer=smol_dot_v1_dot_smol__pb2.GetDaemonInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1141,6 +1159,33 @@ class Smol:
             '/smol.v1.Smol/PruneResults',
             smol_dot_v1_dot_smol__pb2.PruneResultsRequest.SerializeToString,
             smol_dot_v1_dot_smol__pb2.PruneResultsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDaemonInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/smol.v1.Smol/GetDaemonInfo',
+            smol_dot_v1_dot_smol__pb2.GetDaemonInfoRequest.SerializeToString,
+            smol_dot_v1_dot_smol__pb2.GetDaemonInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
