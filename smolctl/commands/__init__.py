@@ -9,6 +9,7 @@ from . import (
     exec,
     fork,
     image,
+    info,
     logs,
     ls,
     results,
@@ -20,6 +21,6 @@ from . import (
 )
 
 COMMANDS: tuple[ModuleType, ...] = (create, ls, exec, cp, verify, rm, run, results, logs, snapshot, fork, checkpoint,
-                                    image, run_task)
+                                    image, run_task, info)
 
 __all__ = ["COMMANDS"]

@@ -1,4 +1,4 @@
-"""--json on smolctl rm, cp and logs (the other commands' --json are tested with them), and the progress ticker."""
+"""smolctl info; --json on smolctl rm, cp and logs (the other commands' --json are tested with them), and the progress ticker."""
 
 from __future__ import annotations
 
@@ -62,3 +62,17 @@ def test_progress_is_silent_when_not_a_terminal() -> None:
     with Progress("pulling x", stream=out, interval=0.01):
         time.sleep(0.05)
     assert out.getvalue() == ""
+
+
+def test_info_shows_the_limits_and_what_is_in_use(daemon: DaemonProcess) -> None:
+    sf = daemon.workdir / "Smolfile-info.toml"
+    sf.write_text("memory = 256\n")
+    mid = daemon.smolctl("create", str(sf)).stdout.decode().strip()
+    try:
+        doc = json.loads(daemon.smolctl("info", "--json").stdout)
+        assert doc["live_machines"] == 1 and doc["memory_in_use_mib"] == 256 and doc["max_machines"] == 32, doc
+        assert doc["public_network"] is True and doc["default_memory_mib"] == 1024
+        text = daemon.smolctl("info").stdout.decode()
+        assert "machines: 1 of 32" in text and "public network: allowed" in text, text
+    finally:
+        daemon.smolctl("rm", mid)
