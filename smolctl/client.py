@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,8 +121,21 @@ def smolfile_message(path_arg: str) -> pb.Smolfile:
     return pb.Smolfile(toml=pb.SmolfileToml(text=text, base_dir=str(base), filename=str(path)))
 
 
+# C0 controls but newline and tab, DEL, C1 controls, and the bidirectional overrides and isolates (which can make
+# a line read differently than it is): shown escaped, never interpreted by the terminal
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` (which may hold a guest's output: console tails, evidence, failure reasons) with every character
+    that would steer a terminal (an escape sequence's ESC, a carriage return, a bidi override) written as
+    ``\\xNN`` / ``\\uNNNN``; issue #19: guest text printed raw to terminals."""
+    return _UNSAFE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}",
+                       text.replace("\r\n", "\n"))
+
+
 def write_err(text: str) -> None:
-    sys.stderr.write(text)
+    sys.stderr.write(terminal_safe(text.removesuffix("\n")) + ("\n" if text.endswith("\n") else ""))
     sys.stderr.flush()
 
 

@@ -9,6 +9,8 @@ import sys
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
+from ..client import terminal_safe, write_err
+
 NAME = "logs"
 HELP = "print the end of a machine's console log"
 
@@ -31,9 +33,11 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
         print(json.dumps({"machine": m.id, "state": state_name(m.state), "failure_reason": m.failure_reason,
                           "console_tail": text}, indent=2))
         return 0
+    if sys.stdout.isatty():   # the guest's console: shown, not obeyed (a file or pipe gets it byte for byte)
+        text = terminal_safe(text)
     sys.stdout.write(text)
     if text and not text.endswith("\n"):
         sys.stdout.write("\n")
     if m.failure_reason:
-        sys.stderr.write(f"smolctl: machine {m.id} failed: {m.failure_reason}\n")
+        write_err(f"smolctl: machine {m.id} failed: {m.failure_reason}\n")
     return 0

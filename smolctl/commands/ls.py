@@ -10,6 +10,7 @@ from google.protobuf.json_format import MessageToDict
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
+from ..client import terminal_safe
 from ..output import machines_table
 
 NAME = "ls"
@@ -29,5 +30,5 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
         for m in machines:
             print(m.id)
     else:
-        print(machines_table(machines))
+        print(terminal_safe(machines_table(machines)))
     return 0

@@ -14,6 +14,7 @@ from google.protobuf.json_format import MessageToDict
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
+from ..client import terminal_safe
 from ..output import VERDICT_EXIT, results_table, stored_result, stored_verdict, to_json
 from .run import parse_labels
 
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
         return _artifact(args, stub)
     if args.id:
         result = stub.GetResult(pb.GetResultRequest(id=args.id, wait_seconds=args.wait)).result
-        print(to_json(result) if args.json else stored_result(result, verbose=args.verbose))
+        print(to_json(result) if args.json else terminal_safe(stored_result(result, verbose=args.verbose)))
         return VERDICT_EXIT[stored_verdict(result)]
     results = list(stub.ListResults(pb.ListResultsRequest(labels=parse_labels(args.label), kind=args.kind,
                                                            limit=max(0, args.limit))).results)
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
         for r in results:
             print(r.id)
     else:
-        print(results_table(results))
+        print(terminal_safe(results_table(results)))
     return 0
 
 

@@ -7,7 +7,7 @@ import argparse
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
-from ..client import fail, smolfile_message
+from ..client import fail, smolfile_message, terminal_safe
 from ..output import Progress, run_result, to_json, verdict_exit
 
 NAME = "run"
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
         return 0
     with Progress(f"running {args.smolfile}"):
         resp = stub.Run(req)
-    print(to_json(resp) if args.json else run_result(resp, verbose=args.verbose))
+    print(to_json(resp) if args.json else terminal_safe(run_result(resp, verbose=args.verbose)))
     return verdict_exit(resp)
 
 

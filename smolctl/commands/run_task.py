@@ -18,7 +18,7 @@ from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
 from .. import taskdir
-from ..client import fail, write_err
+from ..client import fail, terminal_safe, write_err
 
 NAME = "run-task"
 HELP = ("run a Harbor/Terminal-Bench task directory with its oracle solution (solution/solve.sh) and print "
@@ -225,15 +225,15 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
         print(json.dumps(result, indent=2))
     else:
         for s in r.steps:
-            print(f"{'ok  ' if s['ok'] else 'FAIL'}  {s['name']}  {s['duration_s']:.2f}s  {s['detail']}")
+            print(terminal_safe(f"{'ok  ' if s['ok'] else 'FAIL'}  {s['name']}  {s['duration_s']:.2f}s  {s['detail']}"))
             if not s["ok"] and s["output_tail"].strip():
                 for line in s["output_tail"].rstrip().splitlines()[-20:]:
-                    print(f"      | {line}")
+                    print(terminal_safe(f"      | {line}"))
         for st in result.get("step_results", []):
             shown = "-" if st["reward"] is None else f"{st['reward']:g}"
-            print(f"step  {st['name']}  reward {shown}" + (f"  ({st['error']})" if st["error"] else ""))
+            print(terminal_safe(f"step  {st['name']}  reward {shown}" + (f"  ({st['error']})" if st["error"] else "")))
         if result["error"]:
-            print(f"error: {result['error']}")
+            print(terminal_safe(f"error: {result['error']}"))
         reward = "-" if result["reward"] is None else f"{result['reward']:g}"
         print(f"{'PASS' if result['passed'] else 'FAIL'}  {task.name}  reward {reward}  "
               f"({result['duration_s']:.1f}s{', machine ' + machine.id + ' kept' if args.keep else ''})")

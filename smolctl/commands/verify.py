@@ -7,6 +7,7 @@ import argparse
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
 
+from ..client import terminal_safe
 from ..output import to_json, verdict_exit, verify_result, verify_summary
 
 NAME = "verify"
@@ -25,5 +26,5 @@ def run(args: argparse.Namespace, stub: pb_grpc.SmolStub) -> int:
         print(to_json(result))
     else:
         print(verify_summary(result))
-        print("\n".join(verify_result(result, verbose=args.verbose)))
+        print(terminal_safe("\n".join(verify_result(result, verbose=args.verbose))))
     return verdict_exit(result)

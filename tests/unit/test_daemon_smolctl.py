@@ -299,3 +299,26 @@ def test_a_verifier_mount_swapped_for_a_symlink_after_create_is_not_copied(daemo
         assert not dest.exists()
     finally:
         out(daemon.smolctl("rm", mid))
+
+
+def test_guest_text_is_shown_not_obeyed_by_the_terminal(daemon: DaemonProcess, guest: Path) -> None:
+    """Issue #19 (8): a guest's output in smolctl's human output cannot steer the terminal (OSC 52 writes the
+    clipboard, CSI sequences rewrite the screen, a carriage return or a bidi override hides what came before);
+    --json keeps the bytes, escaped by JSON."""
+    attack = r"printf 'ok\033]52;c;ZXZpbA==\007\033[2J\rhidden\342\200\256evil\n'; exit 1"
+    sf = smolfile_dir(guest, f'memory = 256\n[[verifier.checks]]\nname = "loud"\nkind = "command"\n'
+                             f"run = '''{attack}'''\n")
+    for cmd in (("run", str(sf)), ("run", "-v", str(sf))):
+        r = daemon.smolctl(*cmd)
+        text = r.stdout.decode()
+        assert r.returncode == 1 and "ok\\x1b]52;c;ZXZpbA==\\x07\\x1b[2J" in text, text
+        assert "hidden\\u202eevil" in text, text   # the carriage return became a line break: nothing is hidden
+        assert not any(c in text for c in "\x1b\x07\r\u202e"), text
+    doc = json.loads(daemon.smolctl("run", "--json", str(sf)).stdout)
+    assert "\x1b]52;c;ZXZpbA==\x07" in doc["result"]["checks"][0]["evidence"]["output_tail"]
+
+
+def test_terminal_safe_escapes_controls_only() -> None:
+    from smolctl.client import terminal_safe
+    assert terminal_safe("plain\ttext\nnext line, ünïcödé ✓") == "plain\ttext\nnext line, ünïcödé ✓"
+    assert terminal_safe("a\r\nb\x00\x7f\x9b\u2066") == "a\nb\\x00\\x7f\\x9b\\u2066"
