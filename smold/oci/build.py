@@ -13,7 +13,7 @@ from .digest import HashingReader
 from .errors import DigestError, FormatError
 from .manifest import Manifest, load_json, media_type_of, parse_config, parse_manifest
 from .store import IMAGE_FILE, CachedImage, OciStore
-from .unpack import apply_layer
+from .unpack import UnpackBudget, apply_layer
 
 LABEL = "smol-oci"
 
@@ -41,13 +41,15 @@ def unpack_into(store: OciStore, manifest: Manifest, tree: Path) -> dict[str, ob
     if config.architecture and config.architecture != "amd64":
         raise FormatError(f"image is for {config.architecture}, this host runs amd64 guests")
     files = whiteouts = skipped = 0
+    budget = UnpackBudget()   # the image's layers together
     for i, layer in enumerate(manifest.layers):
         path = store.blob_path(layer.digest)
         with open(path, "rb") as raw:
             hashed = HashingReader(raw)
             failure: Exception | None = None
             try:
-                stats = apply_layer(tree, hashed, diff_id=config.diff_ids[i] if config.diff_ids else None)  # type: ignore[arg-type]
+                stats = apply_layer(tree, hashed, diff_id=config.diff_ids[i] if config.diff_ids else None,  # type: ignore[arg-type]
+                                    budget=budget)
             except Exception as e:  # the blob's own digest is checked first: corruption explains any failure
                 failure = e
             hashed.drain()

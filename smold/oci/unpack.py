@@ -17,7 +17,7 @@ import stat
 import tarfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from .digest import HashingReader
 from .errors import DigestError, FormatError, UnsafePathError, UnsupportedError
@@ -44,6 +44,50 @@ def _decompressor(raw: BinaryIO) -> BinaryIO:
                                    "(pip install zstandard)") from None
         return zstandard.ZstdDecompressor().stream_reader(buffered)
     return buffered  # type: ignore[return-value]
+
+
+# An image's layers together may unpack to at most this much and this many entries: a layer blob is small on
+# the wire and in the cache, its unpacked tree is not (a gzip or zstd bomb fills the daemon's disk otherwise;
+# issue #19, finding 8). Real task images are a few GiB; the biggest common ones (CUDA) stay under this.
+MAX_IMAGE_UNPACKED_BYTES = 16 << 30
+MAX_IMAGE_ENTRIES = 4_000_000
+
+
+class UnpackBudget:
+    """What an image's remaining layers may still unpack to (shared across apply_layer calls)."""
+
+    def __init__(self, max_bytes: int = MAX_IMAGE_UNPACKED_BYTES, max_entries: int = MAX_IMAGE_ENTRIES) -> None:
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self.bytes = 0
+        self.entries = 0
+
+    def take_bytes(self, n: int) -> None:
+        self.bytes += n
+        if self.bytes > self.max_bytes:
+            raise FormatError(f"the image's layers unpack to more than {self.max_bytes} bytes (smold's cap; a "
+                              "decompression bomb, or an image too big for a task)")
+
+    def take_entry(self) -> None:
+        self.entries += 1
+        if self.entries > self.max_entries:
+            raise FormatError(f"the image's layers hold more than {self.max_entries} entries (smold's cap)")
+
+
+class _Budgeted(io.RawIOBase):
+    """The decompressed stream, charged to a budget as it is read: reading past the cap fails at once."""
+
+    def __init__(self, raw: BinaryIO, budget: UnpackBudget) -> None:
+        super().__init__()
+        self._raw, self._budget = raw, budget
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        data = self._raw.read(len(buf))
+        self._budget.take_bytes(len(data))
+        buf[:len(data)] = data
+        return len(data)
 
 
 def clean_name(name: str) -> tuple[str, ...]:
@@ -151,15 +195,18 @@ class LayerStats:
         self.skipped_devices = 0
 
 
-def apply_layer(root: Path, stream: BinaryIO, *, diff_id: str | None = None) -> LayerStats:
+def apply_layer(root: Path, stream: BinaryIO, *, diff_id: str | None = None,
+                budget: UnpackBudget | None = None) -> LayerStats:
     """Apply one layer blob (gzip, zstd or plain tar) on top of ``root``.
 
-    With ``diff_id`` the uncompressed tar stream must hash to it (config.md rootfs.diff_ids).
+    With ``diff_id`` the uncompressed tar stream must hash to it (config.md rootfs.diff_ids). What it unpacks
+    is charged to ``budget`` (the image's; a fresh default one if None): past its cap it fails while reading.
     """
+    budget = budget if budget is not None else UnpackBudget()
     created: set[tuple[str, ...]] = set()  # resolved paths this layer wrote; opaque dirs keep these
     tree = Tree(root, created)
     stats = LayerStats()
-    hashed = HashingReader(_decompressor(stream))
+    hashed = HashingReader(io.BufferedReader(_Budgeted(_decompressor(stream), budget)))  # type: ignore[arg-type]
     dir_times: list[tuple[str, float]] = []
     try:
         tf = tarfile.open(fileobj=hashed, mode="r|")  # type: ignore[call-overload]
@@ -168,6 +215,7 @@ def apply_layer(root: Path, stream: BinaryIO, *, diff_id: str | None = None) -> 
     with tf:
         try:
             for m in tf:
+                budget.take_entry()
                 _apply_member(tree, tf, m, created, stats, dir_times)
         except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib_error()) as e:
             raise FormatError(f"layer archive is corrupt: {e}") from None

@@ -486,3 +486,32 @@ def test_parse_challenge() -> None:
     scheme, params = parse_challenge('Bearer realm="https://auth.example/token",service="reg",scope="repository:a/b:pull"')
     assert scheme == "bearer"
     assert params == {"realm": "https://auth.example/token", "service": "reg", "scope": "repository:a/b:pull"}
+
+
+def test_a_decompression_bomb_stops_at_the_images_cap(tmp_path: Path) -> None:
+    """Issue #19 (8): a layer that is small compressed and huge unpacked (here 32 MiB of zeros in 32 KiB of gzip,
+    about 1000:1) stops being read at the image's cap, with little of it written; the cap and the entry count
+    are the image's, across its layers."""
+    import gzip
+    import io
+
+    from smold.oci.unpack import MAX_IMAGE_UNPACKED_BYTES, UnpackBudget
+
+    bomb_tar = layer_tar([F("zeros", b"\0" * (32 << 20))])
+    bomb = gzip.compress(bomb_tar, compresslevel=9)
+    assert len(bomb_tar) / len(bomb) > 900
+    root = tmp_path / "root"
+    root.mkdir()
+    with pytest.raises(FormatError, match=r"unpack to more than 4194304 bytes"):
+        apply_layer(root, io.BytesIO(bomb), budget=UnpackBudget(max_bytes=4 << 20))  # type: ignore[arg-type]
+    written = (root / "zeros").stat().st_size if (root / "zeros").exists() else 0
+    assert written <= 4 << 20
+    # the same layer fits the default cap; two layers share one budget
+    budget = UnpackBudget(max_bytes=48 << 20)
+    apply_layer(root, io.BytesIO(bomb), budget=budget)  # type: ignore[arg-type]
+    assert (root / "zeros").stat().st_size == 32 << 20 and MAX_IMAGE_UNPACKED_BYTES >= 16 << 30
+    with pytest.raises(FormatError, match="unpack to more than"):
+        apply_layer(root, io.BytesIO(bomb), budget=budget)  # type: ignore[arg-type]
+    many = layer_tar([F(f"f{i}", "") for i in range(50)])
+    with pytest.raises(FormatError, match="more than 20 entries"):
+        apply_layer(root, io.BytesIO(many), budget=UnpackBudget(max_entries=20))  # type: ignore[arg-type]
