@@ -40,6 +40,12 @@ NO_SPACE_ERRNOS = ("ENOSPC", "EDQUOT")   # control-socket "errno" values meaning
 READY_POLL_S = 0.05
 
 
+# `python -m` puts its working directory first on sys.path, and a VM process starts in its state directory,
+# which the VMM (and, through it, a hostile guest's exploit) can write: -P (Python 3.11's safe_path) leaves it
+# out, so neither the root jailer nor the VMM can import a module planted there (issue #19, finding 8).
+SAFE_PATH = ("-P",)
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """What to start: one machine's VM with its image, size and state directory."""
@@ -173,7 +179,7 @@ class VmmLauncher(Launcher):
         if spec.restore_from is not None:
             paths.append(spec.restore_from)
         ro = [a for p in paths for a in ("--ro", str(Path(p).absolute()))]
-        return [self.python, "-m", "smold.jail", "--name", spec.machine_id, "--uid", str(j.uid), "--gid", str(j.gid),
+        return [self.python, *SAFE_PATH, "-m", "smold.jail", "--name", spec.machine_id, "--uid", str(j.uid), "--gid", str(j.gid),
                 "--state-dir", str(spec.state_dir), "--jail-base", str(j.base), *ro,
                 "--memory-bytes", str((spec.memory_mib + j.memory_overhead_mib) << 20), "--cpus", str(spec.cpus),
                 "--cgroup-parent", j.cgroup_parent, *(["--keep-netns"] if spec.netns_prefix else []), "--", *argv]
@@ -223,7 +229,7 @@ class VmmLauncher(Launcher):
         d = spec.state_dir
         if spec.restore_from is not None:  # vCPUs, memory, kernel and disk come from the snapshot
             return [
-                self.python, "-m", "smold.vmm",
+                self.python, *SAFE_PATH, "-m", "smold.vmm",
                 "--restore", str(spec.restore_from),
                 "--state-dir", str(d),
                 "--console-log", str(d / CONSOLE_FILE),
@@ -234,7 +240,7 @@ class VmmLauncher(Launcher):
                 *spec.net_args,
             ]
         return [
-            self.python, "-m", "smold.vmm",
+            self.python, *SAFE_PATH, "-m", "smold.vmm",
             "--kernel", str(spec.image.kernel),
             "--initramfs", str(spec.image.initramfs),
             "--rootfs", str(spec.image.rootfs),

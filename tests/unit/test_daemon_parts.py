@@ -109,13 +109,13 @@ def test_vmm_command_line_is_the_vmm_cli(tmp_path: Path) -> None:
     from smold.daemon.images import Image
     spec = LaunchSpec("m-1", tmp_path, Image("default", Path("/k"), Path("/i"), Path("/r")), 2, 768, "web", 120)
     argv = VmmLauncher("/py").command(spec)
-    assert argv[:3] == ["/py", "-m", "smold.vmm"]
-    opts = dict(zip(argv[3::2], argv[4::2], strict=True))
+    assert argv[:4] == ["/py", "-P", "-m", "smold.vmm"]
+    opts = dict(zip(argv[4::2], argv[5::2], strict=True))
     assert opts == {"--kernel": "/k", "--initramfs": "/i", "--rootfs": "/r", "--cpus": "2", "--memory": "768",
                     "--state-dir": str(tmp_path), "--console-log": str(tmp_path / "console.log"),
                     "--boot-timeout": "120", "--hostname": "web", "--seccomp": "on"}
     from smold.vmm.__main__ import _parser
-    parsed = _parser().parse_args(argv[3:])  # the VMM accepts exactly this command line
+    parsed = _parser().parse_args(argv[4:])  # the VMM accepts exactly this command line
     assert (parsed.cpus, parsed.memory, parsed.state_dir, parsed.seccomp) == (2, 768, tmp_path, "on")
     assert VmmLauncher("/py", seccomp="log").command(spec)[-2:] == ["--seccomp", "log"]
 

@@ -303,7 +303,7 @@ def test_vmm_launcher_restores_instead_of_booting(tmp_path: Path) -> None:
     assert "--kernel" in argv and "--restore" not in argv
     restore = LaunchSpec("m-1", tmp_path / "m", image, 1, 512, "child", 60.0, restore_from=tmp_path / "cp")
     argv = VmmLauncher("py").command(restore)
-    assert argv[:5] == ["py", "-m", "smold.vmm", "--restore", str(tmp_path / "cp")]
+    assert argv[:6] == ["py", "-P", "-m", "smold.vmm", "--restore", str(tmp_path / "cp")]
     assert argv[argv.index("--hostname") + 1] == "child" and argv[-1] == "--new-identity"
     assert not {"--kernel", "--initramfs", "--cpus", "--memory"} & set(argv)
 

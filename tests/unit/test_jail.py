@@ -170,12 +170,12 @@ def test_launcher_wraps_the_vmm_in_the_jail(tmp_path: Path) -> None:
     launcher = VmmLauncher("/py", jail=JailOptions(uid=7000, gid=7001, memory_overhead_mib=100))
     argv = launcher.command(spec)
     sep = argv.index("--")
-    assert argv[:3] == ["/py", "-m", "smold.jail"] and argv[sep + 1:] == launcher.vmm_command(spec)
+    assert argv[:4] == ["/py", "-P", "-m", "smold.jail"] and argv[sep + 1:] == launcher.vmm_command(spec)
     from smold.jail.__main__ import parser
-    args = parser().parse_args(argv[3:])
+    args = parser().parse_args(argv[4:])
     assert (args.name, args.uid, args.gid, args.memory_bytes, args.cpus) == ("m-7", 7000, 7001, 612 * MiB, 2.0)
     assert set(args.ro) == {Path("/k"), Path("/i"), Path("/r"), Path("/snap")} and args.state_dir == tmp_path
-    assert VmmLauncher("/py").command(spec)[:3] == ["/py", "-m", "smold.vmm"]
+    assert VmmLauncher("/py").command(spec)[:4] == ["/py", "-P", "-m", "smold.vmm"]
 
 
 async def test_jailed_snapshot_is_written_in_the_state_dir_and_moved_into_place(tmp_path: Path) -> None:
@@ -255,3 +255,28 @@ def test_cgroup_procs_leave_out_kernel_threads() -> None:
     assert _kernel_thread(2)               # kthreadd
     assert not _kernel_thread(os.getpid())
     assert not _kernel_thread(1 << 30)     # no such process
+
+
+def test_a_module_planted_in_the_state_dir_is_never_imported(tmp_path: Path) -> None:
+    """Issue #19 (8): VM processes start in their state dir, which the VMM can write; with ``python -m`` that
+    directory came first on sys.path, so a planted ``smold`` package ran as root in the jailer. The launcher's
+    command lines use -P: the planted package is not imported (without -P, as before, it is)."""
+    import subprocess
+    import sys
+
+    from smold.daemon.launcher import SAFE_PATH
+
+    state = tmp_path / "state"
+    (state / "smold" / "jail").mkdir(parents=True)
+    marker = tmp_path / "planted-ran"
+    (state / "smold" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (state / "smold" / "jail" / "__init__.py").write_text("")
+    (state / "smold" / "jail" / "__main__.py").write_text("")
+    spec = LaunchSpec("m-8", state, Image("default", Path("/k"), Path("/i"), Path("/r")), 1, 256, "h", 60)
+    argv = VmmLauncher(sys.executable, jail=JailOptions(uid=7000, gid=7001)).command(spec)
+    prefix = argv[:argv.index("smold.jail") + 1]
+    assert prefix == [sys.executable, *SAFE_PATH, "-m", "smold.jail"]
+    r = subprocess.run([*prefix, "--help"], cwd=state, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "usage" in r.stdout and not marker.exists(), r.stderr
+    subprocess.run([sys.executable, "-m", "smold.jail", "--help"], cwd=state, capture_output=True, timeout=60)
+    assert marker.exists()   # what the test guards against: the old command line imports the planted package
