@@ -188,7 +188,7 @@ def test_vmm_command_carries_the_net_flags_and_the_namespace_only_as_a_prefix(tm
         spec = LaunchSpec("m-0123456789ab", tmp_path, img, 1, 256, "h", 60.0, restore_from=restore,
                           net_args=tuple(net.vmm_args()), netns_prefix=tuple(net.launch_prefix()))
         argv = VmmLauncher("/usr/bin/python3").command(spec)
-        assert argv[:3] == ["/usr/bin/python3", "-m", "smold.vmm"]   # what /proc/PID/cmdline will show
+        assert argv[:4] == ["/usr/bin/python3", "-P", "-m", "smold.vmm"]   # what /proc/PID/cmdline will show
         assert argv[-10:] == ["--net-tap", "tap0", "--net-mac", GUEST_MAC, "--net-guest", "172.16.0.2/30",
                               "--net-gateway", "172.16.0.1", "--net-dns", "172.16.0.1"]
         assert "nsenter" not in argv
