@@ -224,3 +224,32 @@ def test_a_multi_step_task_through_harbors_own_trial(daemon: DaemonProcess, tmp_
     rewards = (result.get("verifier_result") or {}).get("rewards")
     assert rewards == {"reward": 1.0, "style": 0.25}, (rewards, result.get("exception_info"))
     assert machines(daemon) == []
+
+
+def test_two_concurrent_trials_of_a_dataset_each_get_their_own_machine_and_reward(daemon: DaemonProcess,
+                                                                                 tmp_path: Path) -> None:
+    """`harbor run -n 2` over a dataset of two tasks: both trials run at once, each in a machine of its own
+    (two machines seen at the same time), and each gets its own reward (issue #17: 2 concurrent trials)."""
+    import time
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    write_task(dataset, "good", "sleep 6; echo $EXPECTED > answer.txt\n", toml=NO_NETWORK)
+    write_task(dataset, "bad", "sleep 6; echo 41 > answer.txt\n", toml=NO_NETWORK)
+    jobs = tmp_path / "jobs"
+    bindir = Path(HARBOR_PYTHON).parent
+    proc = subprocess.Popen([str(bindir / "harbor"), "run", "-p", str(dataset), "-a", "oracle", "-n", "2",
+                             "--env", "smolsdk.harbor_env:SmolEnvironment", "-o", str(jobs), "--job-name", "pair"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=harbor_env(daemon, tmp_path / "home"))
+    most = 0
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        most = max(most, sum(1 for m in machines(daemon) if m.state == "running"))
+        time.sleep(0.2)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out[-3000:]
+    results = {json.loads(p.read_text())["task_name"]: json.loads(p.read_text())
+               for p in (jobs / "pair").glob("*/result.json")}
+    assert {name: reward(r) for name, r in results.items()} == {"good": 1.0, "bad": 0.0}, out[-3000:]
+    assert most == 2, most          # the two trials overlapped, each in its own machine
+    assert machines(daemon) == []
