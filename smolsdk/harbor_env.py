@@ -22,6 +22,7 @@ from smolctl import taskdir
 
 from .aio import AsyncClient
 from .errors import NotFoundError
+from .untar import extract
 
 try:  # pragma: no cover - depends on whether Harbor is installed
     from harbor.environments.base import BaseEnvironment as _Base  # type: ignore[import-not-found]
@@ -330,8 +331,7 @@ class SmolEnvironment(_Base):
         archive = await self.client.copy_out(self._id, source_dir, tar=True)
         target = Path(target_dir)
         target.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:*") as tar:
-            tar.extractall(target, filter="data")  # the guest is untrusted: no links out, no devices, no owners
+        extract(archive, target)   # the guest is untrusted: nothing lands outside target, no link is followed
 
     async def is_dir(self, path: str, user: str | int | None = None) -> bool:
         return (await self.exec(f"test -d {shlex.quote(path)}", timeout_sec=60, user=user)).return_code == 0

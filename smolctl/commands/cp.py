@@ -13,6 +13,7 @@ from pathlib import Path
 
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
+from smolsdk.untar import UnsafeArchiveError, extract
 
 from ..client import fail
 
@@ -82,9 +83,8 @@ def _copy_out(machine: str, guest: str, host: Path, *, recursive: bool, stub: pb
                                               format=pb.COPY_FORMAT_TAR))
         host.mkdir(parents=True, exist_ok=True)
         try:
-            with tarfile.open(fileobj=io.BytesIO(resp.content), mode="r:*") as tar:
-                tar.extractall(host, filter="data")
-        except (tarfile.TarError, OSError) as e:
+            extract(resp.content, host)   # the guest made this archive: nothing of it lands outside host
+        except (tarfile.TarError, OSError, UnsafeArchiveError) as e:
             fail(f"cp: cannot unpack into {host}: {e}")
         return len(resp.content)
     resp = stub.CopyOut(pb.CopyOutRequest(machine_id=machine, path=guest, format=pb.COPY_FORMAT_FILE))
