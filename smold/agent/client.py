@@ -53,6 +53,9 @@ def _optional_integer(info: dict[str, Any], key: str) -> int | None:
     return None if info.get(key) is None else _integer(info, key)
 
 
+MAX_BUFFERED_BYTES = 4 << 20   # per connection: frames read from the agent and not yet taken by a request
+
+
 @dataclass(frozen=True)
 class Frame:
     """One received frame."""
@@ -128,6 +131,13 @@ class AgentClient:
         self._writer = writer
         self._next_id = 1
         self._pending: dict[int, asyncio.Queue[Frame | BaseException]] = {}
+        # Backpressure (issue #19, finding 7): frames read from the agent that no request has taken yet are
+        # bounded; past MAX_BUFFERED_BYTES the read loop stops reading until requests have taken half, so a
+        # consumer that stops reading (an Exec whose gRPC client is slow or gone) makes the guest's writes wait
+        # (socket buffers, then the command's pipe) instead of growing the daemon's memory.
+        self._buffered = 0
+        self._room = asyncio.Event()
+        self._room.set()
         self._error: BaseException | None = None
         self.agent_info: dict[str, Any] | None = None
         self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
@@ -166,6 +176,10 @@ class AgentClient:
                 queue = self._pending.get(rid)
                 if queue is not None:  # frames of abandoned requests are dropped
                     queue.put_nowait(Frame(mtype, flags, payload))
+                    self._buffered += len(payload)
+                    if self._buffered > MAX_BUFFERED_BYTES:
+                        self._room.clear()
+                        await self._room.wait()
         except asyncio.IncompleteReadError as e:
             exc = AgentClosedError("agent closed the connection" + (" mid-frame" if e.partial else ""))
         except P.ProtocolError as e:
@@ -198,7 +212,16 @@ class AgentClient:
         return rid, queue
 
     def _release(self, rid: int) -> None:
-        self._pending.pop(rid, None)
+        queue = self._pending.pop(rid, None)
+        while queue is not None and not queue.empty():   # what it never took no longer counts
+            item = queue.get_nowait()
+            if isinstance(item, Frame):
+                self._taken(len(item.payload))
+
+    def _taken(self, n: int) -> None:
+        self._buffered -= n
+        if self._buffered <= MAX_BUFFERED_BYTES // 2:
+            self._room.set()
 
     async def _send(self, frame: bytes) -> None:
         if self._error is not None:
@@ -212,9 +235,10 @@ class AgentClient:
     async def _send_json(self, mtype: int, rid: int, obj: dict[str, Any], flags: int = 0) -> None:
         await self._send(P.pack_json(mtype, rid, obj, flags))
 
-    @staticmethod
-    async def _recv(queue: asyncio.Queue[Frame | BaseException]) -> Frame:
+    async def _recv(self, queue: asyncio.Queue[Frame | BaseException]) -> Frame:
         item = await queue.get()
+        if isinstance(item, Frame):
+            self._taken(len(item.payload))
         if isinstance(item, BaseException):
             queue.put_nowait(item)  # keep failing later reads too
             raise item

@@ -834,3 +834,22 @@ async def test_pid1_poweroff_reboots_the_namespace(pid1_agent):
         "Z",
         "gone",
     )
+
+
+async def test_a_consumer_that_stops_reading_bounds_what_the_client_buffers(client):
+    """Issue #19 (7): a command floods its output while nobody takes it (an Exec whose gRPC client stopped
+    reading): the client stops reading from the agent at its bound, so the agent's writes, then the command,
+    wait; nothing is lost once the consumer reads again."""
+    from smold.agent.client import MAX_BUFFERED_BYTES
+    total = 48 << 20
+    stream = await client.exec(["head", "-c", str(total), "/dev/zero"])
+    await asyncio.sleep(3)                   # the flood runs into the bound while nobody reads
+    # the command is held up (unbounded, its 48 MiB would all be read into memory within a second and it done)
+    assert stream.pid is not None and Path(f"/proc/{stream.pid}").exists()
+    assert client._buffered <= MAX_BUFFERED_BYTES + (1 << 20), client._buffered
+    got = 0
+    async for event in stream:
+        if isinstance(event, ExecStdout):
+            got += len(event.data)
+    assert got == total and stream.exit is not None and stream.exit.exit_code == 0
+    assert client._buffered == 0
