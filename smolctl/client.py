@@ -123,7 +123,7 @@ def smolfile_message(path_arg: str) -> pb.Smolfile:
 
 # C0 controls but newline and tab, DEL, C1 controls, and the bidirectional overrides and isolates (which can make
 # a line read differently than it is): shown escaped, never interpreted by the terminal
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def terminal_safe(text: str) -> str:

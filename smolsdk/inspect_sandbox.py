@@ -49,6 +49,7 @@ from .errors import (
 from .types import Exit, Stderr, Stdout
 
 NAME_PREFIX = "inspect-"
+_CONCURRENCY: dict[str, int] = {}   # default_concurrency per $SMOL_SOCKET, asked once
 CAPACITY_WAIT_S = 1800.0   # how long a sample waits for smold's limits to leave room for its machine
 DEFAULT_WORKDIR = "/"
 
@@ -129,7 +130,7 @@ def compose_config(compose: ComposeConfig, *, source: str = "compose config") ->
         if argv and argv not in _KEEP_ALIVE:
             raise refuse(f"service {name!r}: {field} {value!r}: smol runs no service command (a machine stays "
                          "up by itself); only a keep-alive such as 'tail -f /dev/null' is accepted")
-    lines = [f"image = {json.dumps(svc.image)}"]
+    lines = [f"image = {json.dumps(svc.image, ensure_ascii=False)}"]
     limits = svc.deploy.resources.limits if svc.deploy and svc.deploy.resources else None
     if svc.deploy is not None and (svc.deploy.resources is None or svc.deploy.resources.reservations
                                    or set(svc.deploy.model_fields_set) - {"resources"}):
@@ -158,7 +159,7 @@ def compose_config(compose: ComposeConfig, *, source: str = "compose config") ->
             env[key] = str(value)
     if env:
         lines.append("[env]")
-        lines.extend(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in env.items())
+        lines.extend(f"{json.dumps(k, ensure_ascii=False)} = {json.dumps(v, ensure_ascii=False)}" for k, v in env.items())
     return SmolSandboxConfig(toml="\n".join(lines) + "\n", workdir=svc.working_dir, user=svc.user)
 
 
@@ -186,11 +187,14 @@ class SmolSandboxEnvironment(SandboxEnvironment):
         """As many samples at once as smold's limits hold machines of the default size (GetDaemonInfo, from
         $SMOL_SOCKET's daemon); None (no maximum) when it cannot be asked. A create refused for capacity
         anyway (other clients' machines) waits for room: see sample_init."""
-        try:
-            with Client(timeout=10) as client:
-                return client.info().machines_that_fit
-        except SmolError:
-            return None
+        socket = os.environ.get("SMOL_SOCKET", "")
+        if socket not in _CONCURRENCY:   # Inspect asks once per sample, on its event loop: ask smold once
+            try:
+                with Client(timeout=10) as client:
+                    _CONCURRENCY[socket] = client.info().machines_that_fit
+            except SmolError:
+                return None
+        return _CONCURRENCY[socket]
 
     def default_polling_interval(self) -> float:
         return 0.2   # an exec round trip is milliseconds on KVM: poll as Inspect's Docker provider does

@@ -7,8 +7,9 @@ directory on the way to a member is opened with ``O_NOFOLLOW | O_DIRECTORY`` rel
 starting at the destination, and every file is created with ``O_EXCL | O_NOFOLLOW``. A symlink is recreated as
 a symlink (its target verbatim: it is never followed here); a hard link becomes a copy of a member already
 unpacked; device nodes and FIFOs are skipped; set-id, sticky and group/other write bits are dropped; nothing is
-chowned. A member whose name is absolute or has ``..``, or whose way passes through a symlink, fails the whole
-unpack with :class:`UnsafeArchiveError` naming it.
+chowned. A member whose name is absolute or has ``..``, whose way passes through a symlink, a symlink whose
+target is absolute or leaves the destination, or a sparse file fails the whole unpack with
+:class:`UnsafeArchiveError` naming it. Only plain tar is read (CopyOut's archives are ``tar -c``): nothing inflates.
 """
 
 from __future__ import annotations
@@ -61,6 +62,21 @@ def _open_dir(dest_fd: int, parts: list[str], name: str, *, create: bool) -> int
         raise
 
 
+def _check_link_target(name: str, parts: list[str], target: str) -> None:
+    """A symlink is never followed here, but whoever reads the unpacked tree later may follow it: its target
+    must be relative and stay inside the destination (as tarfile's data filter demands)."""
+    if target.startswith("/"):
+        raise UnsafeArchiveError(f"{name!r}: a symlink to the absolute path {target!r}")
+    depth = len(parts) - 1
+    for part in target.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                raise UnsafeArchiveError(f"{name!r}: a symlink to {target!r}, outside the destination")
+        elif part not in ("", "."):
+            depth += 1
+
+
 def _remove_entry(parent_fd: int, name: str) -> None:
     """Make room for a new entry: a file or link is unlinked (never followed); a directory stays."""
     try:
@@ -96,11 +112,14 @@ def extract(archive: bytes | BinaryIO, dest: str | os.PathLike[str]) -> int:
     dest_fd = os.open(Path(dest), _DIR_FLAGS)
     written = 0
     try:
-        with tarfile.open(fileobj=fileobj, mode="r:*") as tar:
+        with tarfile.open(fileobj=fileobj, mode="r:") as tar:   # plain tar (`tar -c`): nothing to inflate
             for m in tar:
                 parts = _parts(m.name)
                 if not parts:
                     continue              # the root itself
+                if m.issparse():
+                    raise UnsafeArchiveError(f"{m.name!r}: a sparse file (its holes would unpack to zeros the "
+                                             "archive does not carry)")
                 parent_fd = _open_dir(dest_fd, parts[:-1], m.name, create=True)
                 try:
                     leaf = parts[-1]
@@ -119,6 +138,7 @@ def extract(archive: bytes | BinaryIO, dest: str | os.PathLike[str]) -> int:
                         assert src is not None
                         _write_file(parent_fd, leaf, src, _file_mode(m.mode), m.mtime)
                     elif m.issym():
+                        _check_link_target(m.name, parts, m.linkname)
                         _remove_entry(parent_fd, leaf)
                         os.symlink(m.linkname, leaf, dir_fd=parent_fd)
                     elif m.islnk():

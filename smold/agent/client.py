@@ -54,6 +54,7 @@ def _optional_integer(info: dict[str, Any], key: str) -> int | None:
 
 
 MAX_BUFFERED_BYTES = 4 << 20   # per connection: frames read from the agent and not yet taken by a request
+SIGNAL_SEND_S = 10.0           # an abandoned exec's SIGKILL must be sent by then, else the connection is dropped
 
 
 @dataclass(frozen=True)
@@ -516,11 +517,19 @@ class ExecStream:
             self._stdin_task.cancel()
 
     async def aclose(self) -> None:
-        """Abandon the exec: SIGKILL its process group if still running, stop listening for its frames."""
-        if self._rid is not None and not self._done:
-            with contextlib.suppress(AgentError):
-                await self.signal(9)
+        """Abandon the exec: stop listening for its frames, SIGKILL its process group if still running."""
+        rid = self._rid if not self._done else None
+        # Frames first: what this exec left unread may be what keeps the read loop paused (backpressure), and
+        # with it the agent, which must read the SIGNAL below.
         self._finish()
+        if rid is None:
+            return
+        try:
+            await asyncio.wait_for(self._client._send_json(T.SIGNAL, rid, {"signal": 9}), SIGNAL_SEND_S)
+        except AgentError:
+            pass
+        except TimeoutError:   # the agent does not read: drop the connection, which kills the exec too
+            self._client._writer.close()
 
     async def __aenter__(self) -> ExecStream:
         return self

@@ -318,7 +318,7 @@ class Controller:
             except (NetError, OSError) as e:
                 log.info("cleaning up machine %s: its network cannot be re-adopted (%s)", d.name, e)
                 await self._kill_stray(proc.pid)
-                await self.network.teardown_machine(rec.id)
+                await self._clean_host_side(d)   # its jail's leftovers and its network
                 await asyncio.to_thread(shutil.rmtree, d, True)
                 return
             if net.policy.public and not self.config.public_network:
@@ -327,7 +327,7 @@ class Controller:
                 log.warning("cleaning up machine %s: it has public egress, which this daemon refuses "
                             "(--no-public-network)", d.name)
                 await self._kill_stray(proc.pid)
-                await self.network.teardown_machine(rec.id)
+                await self._clean_host_side(d)
                 await asyncio.to_thread(shutil.rmtree, d, True)
                 return
         m = Machine(

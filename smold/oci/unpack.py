@@ -216,6 +216,8 @@ def apply_layer(root: Path, stream: BinaryIO, *, diff_id: str | None = None,
         try:
             for m in tf:
                 budget.take_entry()
+                if m.issparse():   # its holes come out as zeros the stream never carried: charge them too
+                    budget.take_bytes(m.size)
                 _apply_member(tree, tf, m, created, stats, dir_times)
         except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib_error()) as e:
             raise FormatError(f"layer archive is corrupt: {e}") from None
@@ -325,4 +327,5 @@ def _apply_member(tree: Tree, tf: tarfile.TarFile, m: tarfile.TarInfo, created: 
 
 def unpack_layers(root: Path, layers: Iterable[tuple[BinaryIO, str | None]]) -> list[LayerStats]:
     """Apply ``(stream, diff_id)`` layers in order (lowest first) into the existing directory ``root``."""
-    return [apply_layer(root, stream, diff_id=diff_id) for stream, diff_id in layers]
+    budget = UnpackBudget()   # the image's, across its layers
+    return [apply_layer(root, stream, diff_id=diff_id, budget=budget) for stream, diff_id in layers]

@@ -853,3 +853,20 @@ async def test_a_consumer_that_stops_reading_bounds_what_the_client_buffers(clie
             got += len(event.data)
     assert got == total and stream.exit is not None and stream.exit.exit_code == 0
     assert client._buffered == 0
+
+
+async def test_abandoning_an_exec_held_at_the_bound_kills_it_promptly(client):
+    """An Exec whose client left while its output was held at the bound: aclose lets go of the held frames
+    first, so the agent reads the SIGKILL and the command ends (it must not wait for a reader that is gone)."""
+    stream = await client.exec(["sh", "-c", "head -c 64000000 /dev/zero; sleep 600"])
+    await asyncio.sleep(2)
+    pid = stream.pid
+    assert pid is not None and Path(f"/proc/{pid}").exists()
+    await asyncio.wait_for(stream.aclose(), 15)
+    for _ in range(100):
+        if not Path(f"/proc/{pid}").exists():
+            break
+        await asyncio.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists()
+    assert client._buffered == 0
+    assert (await client.run(["true"])).exit_code == 0   # the connection still serves

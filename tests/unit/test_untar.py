@@ -80,9 +80,9 @@ def test_nothing_is_written_outside_the_destination(places: tuple[Path, Path], m
 
 
 def test_a_file_over_a_symlink_replaces_the_link_never_writes_through_it(places: tuple[Path, Path]) -> None:
-    dest, outside = places
-    extract(archive(("s", "s", str(outside / "target")), ("f", "s", b"mine")), dest)
-    assert (outside / "target").read_text() == "untouched"
+    dest, _ = places
+    extract(archive(("f", "other", b"orig"), ("s", "s", "other"), ("f", "s", b"mine")), dest)
+    assert (dest / "other").read_bytes() == b"orig"
     assert not (dest / "s").is_symlink() and (dest / "s").read_bytes() == b"mine"
 
 
@@ -94,3 +94,35 @@ def test_a_way_through_any_link_is_refused_even_one_that_stays_inside(places: tu
     inside = archive(("d", "real", None), ("s", "alias", "real"), ("f", "alias/x", b"x"))
     with pytest.raises(UnsafeArchiveError, match="'alias'"):
         extract(inside, dest)
+
+
+@pytest.mark.parametrize("target", ["/etc/shadow", "../../outside/target", "x/../../../y", "/dev/zero"])
+def test_a_symlink_that_points_out_is_refused(places: tuple[Path, Path], target: str) -> None:
+    """Never followed while unpacking, but a host program reading the tree later would follow it (a reward file
+    that is a link to the user's credentials)."""
+    dest, _ = places
+    with pytest.raises(UnsafeArchiveError, match="symlink"):
+        extract(archive(("d", "sub", None), ("s", "sub/link", target)), dest)
+    assert not (dest / "sub" / "link").exists() and not (dest / "sub" / "link").is_symlink()
+
+
+def test_only_plain_tar_and_no_sparse_files(places: tuple[Path, Path], tmp_path: Path) -> None:
+    """CopyOut's archives are `tar -c` output: a compressed one (a bomb) is not read, a sparse member (holes that
+    unpack to zeros the archive does not carry) is refused."""
+    import gzip
+    import shutil
+    import subprocess
+    dest, _ = places
+    with pytest.raises(tarfile.ReadError):
+        extract(gzip.compress(archive(("f", "big", b"\0" * (1 << 20)))), dest)
+    if shutil.which("tar") is None:
+        pytest.fail("GNU tar is needed to write a sparse member")
+    src = tmp_path / "sparse-src"
+    src.mkdir()
+    with open(src / "holes", "wb") as f:
+        f.truncate(64 << 20)
+    sparse = subprocess.run(["tar", "-c", "-S", "-f", "-", "-C", str(src), "holes"], capture_output=True,
+                            check=True).stdout
+    assert len(sparse) < 1 << 20
+    with pytest.raises(UnsafeArchiveError, match="sparse"):
+        extract(sparse, dest)
