@@ -109,7 +109,7 @@ def extract(archive: bytes | BinaryIO, dest: str | os.PathLike[str]) -> int:
     members were written. Raises UnsafeArchiveError for a member that would land outside ``dest``, and
     tarfile.TarError for a corrupt archive."""
     fileobj = io.BytesIO(archive) if isinstance(archive, bytes | bytearray) else archive
-    dest_fd = os.open(Path(dest), _DIR_FLAGS)
+    dest_fd = os.open(Path(dest), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)   # the caller's choice: may be a link
     written = 0
     try:
         with tarfile.open(fileobj=fileobj, mode="r:") as tar:   # plain tar (`tar -c`): nothing to inflate

@@ -126,3 +126,11 @@ def test_only_plain_tar_and_no_sparse_files(places: tuple[Path, Path], tmp_path:
     assert len(sparse) < 1 << 20
     with pytest.raises(UnsafeArchiveError, match="sparse"):
         extract(sparse, dest)
+
+
+def test_the_destination_itself_may_be_a_symlink(places: tuple[Path, Path], tmp_path: Path) -> None:
+    """The destination is the caller's (trusted) choice: a link to a directory is fine; links inside are not."""
+    dest, _ = places
+    (tmp_path / "via").symlink_to(dest)
+    assert extract(archive(("f", "a", b"1")), tmp_path / "via") == 1
+    assert (dest / "a").read_bytes() == b"1"
