@@ -144,6 +144,7 @@ def test_harbor_trial_on_a_vm() -> None:
         print(f"\nHarbor trial on a VM: {time.monotonic() - t0:.1f}s")
         assert r.returncode == 0, r.stdout + r.stderr
         result = json.loads((d / "trials" / "vm-harbor__1" / "result.json").read_text())
+        assert result["verifier_result"] is not None, json.dumps(result.get("exception_info"), indent=1)
         assert result["verifier_result"]["rewards"]["reward"] == 1.0, \
             (result, [p.read_text(errors="replace")[-2000:] for p in (d / "trials").glob("vm-harbor__1/verifier/*")])
         verifier = d / "trials" / "vm-harbor__1" / "verifier"
