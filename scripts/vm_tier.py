@@ -8,7 +8,9 @@ phase ends, so when the rig itself dies (status 125: its kernel panicked under T
 booting) the tests that finished keep their outcomes. The run then says so, lists what passed, what failed (with
 its traceback) and what never finished, and starts a fresh rig for the unfinished tests only (``--deselect``
 for every finished one). A test that failed is reported and never run again; a failure fails the tier, as does
-a rig that fails in every try. Stdlib only, like scripts/kvm_rig.py: it runs before anything else is known to
+a rig that fails in every try, or in ``--stall`` tries in a row without one test finishing (the same test kills
+each rig: a fresh rig would not help). Fresh rigs are started while each one makes progress, up to ``--tries``
+and within ``--budget``. Stdlib only, like scripts/kvm_rig.py: it runs before anything else is known to
 work.
 """
 
@@ -140,6 +142,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="vm-tier", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="out", help="where the report logs, junit files and consoles go")
     p.add_argument("--tries", type=int, default=3, help="rigs to start at most (a rig failure starts the next)")
+    p.add_argument("--stall", type=int, default=2,
+                   help="rig failures in a row without a finished test that end the tier (default 2)")
     p.add_argument("--try-timeout", type=float, default=1500, help="seconds for one rig run")
     p.add_argument("--budget", type=float, default=0, help="seconds for all tries together (0: no limit)")
     p.add_argument("--rig", default=RIG, help=argparse.SUPPRESS)   # tests: a stand-in that runs the command here
@@ -166,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{len(expected)} tests to run")
     results: dict[str, Outcome] = {}
     rc = EXIT_RIG
+    stalled = 0                             # rig failures in a row that finished no test
+    rigs = 0                                # rigs started
     for attempt in range(1, args.tries + 1):
         timeout = args.try_timeout
         if args.budget:
@@ -184,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                "--share", str(out), *args.rig_arg, "--",
                *args.pytest, f"--report-log={report}", f"--junitxml={out / f'vm-tier-junit-{attempt}.xml'}",
                *deselect]
+        rigs += 1
         rc = subprocess.call(cmd)
         finished = read_report_log(report, attempt)
         results.update(finished)
@@ -193,10 +200,14 @@ def main(argv: list[str] | None = None) -> int:
             break
         say(f"the KVM rig failed (status 125, above) in try {attempt}, after {len(finished)} finished tests:\n"
             + summary(results, expected, attempt))
+        stalled = 0 if finished else stalled + 1
+        if stalled >= args.stall:
+            say(f"{stalled} rigs in a row failed before any test finished: no further try")
+            break
     failed = sorted(k for k, v in results.items() if v.outcome in ("failed", "error"))
     say("summary of every try:\n" + summary(results, expected))
     if rc == EXIT_RIG:
-        say(f"the KVM rig failed in every try ({args.tries}): CI fails rather than pass without its VM tests")
+        say(f"the KVM rig failed in every try ({rigs}): CI fails rather than pass without its VM tests")
         return EXIT_RIG
     if failed:
         say(f"{len(failed)} tests failed (each run once, never retried): " + " ".join(failed))

@@ -27,14 +27,15 @@ sys.exit(subprocess.call(argv[cut + 1:]))
 '''
 
 
-def tier(tmp_path: Path, *extra: str, fail: bool = False, tries: int = 3) -> tuple[subprocess.CompletedProcess[str],
-                                                                                 Path]:
+def tier(tmp_path: Path, *extra: str, fail: bool = False, tries: int = 3,
+         die_always: bool = False) -> tuple[subprocess.CompletedProcess[str], Path]:
     suite = write_suite(tmp_path / "suite")
     rig = tmp_path / "rig"
     rig.write_text(STAND_IN)
     rig.chmod(0o755)
     out = tmp_path / "out"
-    env = {**os.environ, "SMOL_TIER_MARK": str(out / "mark"), "SMOL_TIER_FAIL": "1" if fail else "0"}
+    env = {**os.environ, "SMOL_TIER_MARK": str(out / "mark"), "SMOL_TIER_FAIL": "1" if fail else "0",
+           "SMOL_TIER_DIE_ALWAYS": "1" if die_always else "0"}
     env.pop("CI", None)
     proc = subprocess.run([*VM_TIER, "--out", str(out), "--rig", str(rig), "--tries", str(tries), *extra, "--",
                            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS],
@@ -86,6 +87,26 @@ def test_a_rig_that_fails_every_try_fails_the_tier(tmp_path: Path) -> None:
     assert proc.returncode == 125, text
     assert "the KVM rig failed in every try (1)" in text
     assert "not finished (2):" in text
+
+
+def test_rigs_that_die_before_any_test_finishes_end_the_tier_before_its_tries_run_out(tmp_path: Path) -> None:
+    proc, out = tier(tmp_path, tries=6, die_always=True)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 125, text
+    # try 1 finished two tests; tries 2 and 3 died in test_dies before any finished: a fourth would too
+    assert ran(out / "vm-tier-try-2.jsonl") == TESTS[2:3] and ran(out / "vm-tier-try-3.jsonl") == TESTS[2:3]
+    assert len((tmp_path / "rig.calls").read_text().splitlines()) == 3
+    assert "2 rigs in a row failed before any test finished: no further try" in text
+    assert "the KVM rig failed in every try (3)" in text
+
+
+def test_each_rig_that_makes_progress_earns_another_until_the_tries_run_out(tmp_path: Path) -> None:
+    # tries=2 with a test that always dies: try 1 finishes two tests, try 2 none, and the tries are spent
+    proc, out = tier(tmp_path, tries=2, die_always=True)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 125, text
+    assert len((tmp_path / "rig.calls").read_text().splitlines()) == 2
+    assert "no further try" not in text and "the KVM rig failed in every try (2)" in text
 
 
 @pytest.mark.parametrize("torn", [True, False])
