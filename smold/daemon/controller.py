@@ -262,13 +262,20 @@ class Controller:
                 log.info("removing unused fork base %s", d)
                 shutil.rmtree(d, ignore_errors=True)
 
+    async def _remove_leftovers(self, d: Path, pid: int | None = None) -> None:
+        """A machine that is not re-adopted: its VM process (if still ours) killed, its jail's leftovers and
+        network removed, its state directory deleted."""
+        if pid is not None:
+            await self._kill_stray(pid)
+        await self._clean_host_side(d)
+        await asyncio.to_thread(shutil.rmtree, d, True)
+
     async def _adopt_or_clean(self, d: Path) -> None:
         try:
             rec = MachineRecord.load(d)
         except RecordError as e:
             log.warning("removing %s: %s", d, e)
-            await self._clean_host_side(d)
-            await asyncio.to_thread(shutil.rmtree, d, True)
+            await self._remove_leftovers(d)
             return
         why = ""
         proc: AdoptedProcess | None = None
@@ -306,10 +313,8 @@ class Controller:
                 why = f"its guest agent does not answer ({e})"
         if why or proc is None or smolfile is None:
             log.info("cleaning up machine %s: %s", d.name, why)
-            if rec.pid and is_same_process(rec.pid, rec.argv, rec.started):
-                await self._kill_stray(rec.pid)
-            await self._clean_host_side(d)
-            await asyncio.to_thread(shutil.rmtree, d, True)
+            ours = bool(rec.pid) and is_same_process(rec.pid, rec.argv, rec.started)
+            await self._remove_leftovers(d, rec.pid if ours else None)
             return
         net: VmNetwork | None = None
         if smolfile.network.enabled:
@@ -317,18 +322,14 @@ class Controller:
                 net = await self.network.adopt(rec.id, smolfile.network, d)
             except (NetError, OSError) as e:
                 log.info("cleaning up machine %s: its network cannot be re-adopted (%s)", d.name, e)
-                await self._kill_stray(proc.pid)
-                await self._clean_host_side(d)   # its jail's leftovers and its network
-                await asyncio.to_thread(shutil.rmtree, d, True)
+                await self._remove_leftovers(d, proc.pid)
                 return
             if net.policy.public and not self.config.public_network:
                 # the operator turned public egress off (--no-public-network): a machine that has it, by its
                 # Smolfile or a SetNetworkPolicy, is not kept with it and not silently narrowed: it goes
                 log.warning("cleaning up machine %s: it has public egress, which this daemon refuses "
                             "(--no-public-network)", d.name)
-                await self._kill_stray(proc.pid)
-                await self._clean_host_side(d)
-                await asyncio.to_thread(shutil.rmtree, d, True)
+                await self._remove_leftovers(d, proc.pid)
                 return
         m = Machine(
             id=rec.id, name=rec.name, smolfile=smolfile, image=rec.image, image_digest=rec.image_digest,

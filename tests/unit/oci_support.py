@@ -163,3 +163,22 @@ def write_docker_save(layers: list[list[Entry]], path: Path, *, config: dict[str
             names.append(name)
         add("manifest.json", json.dumps([{"Config": cfg_name, "RepoTags": [tag], "Layers": names}]).encode())
     return path
+
+
+def sparse_tar(where: Path, size: int = 64 << 20) -> bytes:
+    """A tar holding one GNU sparse member of ``size`` bytes, all hole (GNU tar -S): a few KiB that unpack to
+    ``size`` bytes of zeros. Fails the test where GNU tar is missing (never a skip)."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("tar") is None:
+        pytest.fail("GNU tar is needed to write a sparse member")
+    where.mkdir()
+    with open(where / "holes", "wb") as f:
+        f.truncate(size)
+    data = subprocess.run(["tar", "-c", "-S", "-f", "-", "-C", str(where), "holes"], capture_output=True,
+                          check=True).stdout
+    assert len(data) < 1 << 20
+    return data

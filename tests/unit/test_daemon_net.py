@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 import test_daemon
+from daemon_support import DaemonProcess, pid_alive, processes_mentioning, wait_until
 from test_daemon import Env, create, run_exec, spec
 
 from smold.api.v1 import smol_pb2 as pb
 from smold.net import netns
-from smold.net.manager import host_if_name, namespace_name, network_leftovers
+from smold.net.manager import host_if_name, namespace_name, network_leftovers, remove_network
 
 env = test_daemon.env          # the daemon fixtures, shared
 workdir = test_daemon.workdir
@@ -97,102 +105,89 @@ print(struct.unpack('!H', r[:2])[0], r[3] & 15)
 """
 
 
-def test_restarted_daemon_readopts_the_network_and_cleans_up_the_lost_machine() -> None:
-    import signal
-    import subprocess
-    import tempfile
-    from pathlib import Path
+class Restarts:
+    """Daemons started as processes on one state directory, killed and restarted like a crashed or reconfigured
+    smold; whatever they leave (VM processes, networks of the machines in ``machines``, the directory) goes."""
 
-    from daemon_support import DaemonProcess, pid_alive, processes_mentioning, wait_until
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.machines: list[str] = []
+        self.daemons: list[DaemonProcess] = []
 
-    workdir = Path(tempfile.mkdtemp(prefix="smn-", dir="/tmp"))
-    (workdir / "task").mkdir()
-    (workdir / "task" / "Smolfile.toml").write_text(
-        'memory = 256\ncpus = 1\nnetwork = { allow = ["10.251.9.0/24"] }\n')
+    def task(self, name: str, network: str) -> Path:
+        (self.workdir / name).mkdir()
+        (self.workdir / name / "Smolfile.toml").write_text(f"memory = 256\ncpus = 1\nnetwork = {network}\n")
+        return self.workdir / name
 
-    def ok(r: subprocess.CompletedProcess[bytes]) -> str:
-        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
-        return r.stdout.decode()
+    def daemon(self, *extra: str) -> DaemonProcess:
+        d = DaemonProcess(self.workdir, *extra)
+        self.daemons.append(d)
+        return d.start()
 
-    d1 = DaemonProcess(workdir, "--net-pool", "10.214.5.0/24").start()
+    def create(self, d: DaemonProcess, task: Path) -> tuple[str, int]:
+        """A machine created by d: its id and its VM process's pid."""
+        m = ok(d.smolctl("create", str(task))).strip()
+        self.machines.append(m)
+        return m, int(json.loads((d.state / "machines" / m / "machine.json").read_text())["pid"])
+
+
+def ok(r: subprocess.CompletedProcess[bytes]) -> str:
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    return r.stdout.decode()
+
+
+@pytest.fixture
+def restarts() -> Iterator[Restarts]:
+    bench = Restarts(Path(tempfile.mkdtemp(prefix="smn-", dir="/tmp")))
     try:
-        keep = ok(d1.smolctl("create", str(workdir / "task"))).strip()
-        lost = ok(d1.smolctl("create", str(workdir / "task"))).strip()
-        lost_pid = int(__import__("json").loads((d1.state / "machines" / lost / "machine.json").read_text())["pid"])
-        d1.kill()  # a crash: the namespaces stay, the resolver (in the daemon) is gone
-        os.kill(lost_pid, signal.SIGKILL)
-        assert wait_until(lambda: not pid_alive(lost_pid))
-        assert {namespace_name(keep), namespace_name(lost)} <= set(netns.list_namespaces())
-
-        d2 = DaemonProcess(workdir, "--net-pool", "10.214.5.0/24").start()
-        try:
-            assert network_leftovers(namespace_name(lost), host_if_name(lost)) == []
-            out = ok(d2.smolctl("exec", keep, "--", sys.executable, "-c", DNS_PROBE))
-            assert out.split() == ["9", "3"]  # the re-adopted machine's resolver answers again: NXDOMAIN
-            ok(d2.smolctl("rm", keep))
-            assert network_leftovers(namespace_name(keep), host_if_name(keep)) == []
-        finally:
-            d2.terminate()
+        yield bench
     finally:
-        d1.kill()
-        for pid in processes_mentioning(str(workdir / "state")):
+        for d in reversed(bench.daemons):
+            if d.proc is not None and d.proc.poll() is None:
+                d.terminate()
+        for pid in processes_mentioning(str(bench.workdir / "state")):
             os.kill(pid, signal.SIGKILL)
-        for m in (locals().get("keep"), locals().get("lost")):
-            if m:
-                with __import__("contextlib").suppress(Exception):
-                    from smold.net.manager import remove_network
-                    remove_network(namespace_name(m), host_if_name(m))
-        shutil.rmtree(workdir, ignore_errors=True)
+        for m in bench.machines:
+            with contextlib.suppress(Exception):
+                remove_network(namespace_name(m), host_if_name(m))
+        shutil.rmtree(bench.workdir, ignore_errors=True)
 
 
-def test_a_daemon_restarted_without_public_network_cleans_up_public_machines_and_keeps_the_rest() -> None:
-    import json
-    import signal
-    import subprocess
-    import tempfile
-    from pathlib import Path
+def test_restarted_daemon_readopts_the_network_and_cleans_up_the_lost_machine(restarts: Restarts) -> None:
+    task = restarts.task("task", '{ allow = ["10.251.9.0/24"] }')
+    d1 = restarts.daemon("--net-pool", "10.214.5.0/24")
+    keep, _ = restarts.create(d1, task)
+    lost, lost_pid = restarts.create(d1, task)
+    d1.kill()  # a crash: the namespaces stay, the resolver (in the daemon) is gone
+    os.kill(lost_pid, signal.SIGKILL)
+    assert wait_until(lambda: not pid_alive(lost_pid))
+    assert {namespace_name(keep), namespace_name(lost)} <= set(netns.list_namespaces())
 
-    from daemon_support import DaemonProcess, pid_alive, processes_mentioning, wait_until
+    d2 = restarts.daemon("--net-pool", "10.214.5.0/24")
+    assert network_leftovers(namespace_name(lost), host_if_name(lost)) == []
+    out = ok(d2.smolctl("exec", keep, "--", sys.executable, "-c", DNS_PROBE))
+    assert out.split() == ["9", "3"]  # the re-adopted machine's resolver answers again: NXDOMAIN
+    ok(d2.smolctl("rm", keep))
+    assert network_leftovers(namespace_name(keep), host_if_name(keep)) == []
 
-    workdir = Path(tempfile.mkdtemp(prefix="smp-", dir="/tmp"))
-    for name, network in (("public", '"public"'), ("listed", '{ allow = ["10.251.9.0/24"] }')):
-        (workdir / name).mkdir()
-        (workdir / name / "Smolfile.toml").write_text(f"memory = 256\ncpus = 1\nnetwork = {network}\n")
 
-    def ok(r: subprocess.CompletedProcess[bytes]) -> str:
-        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
-        return r.stdout.decode()
-
-    d1 = DaemonProcess(workdir, "--net-pool", "10.214.22.0/24").start()
-    try:
-        public = ok(d1.smolctl("create", str(workdir / "public"))).strip()
-        listed = ok(d1.smolctl("create", str(workdir / "listed"))).strip()
-        public_pid = int(json.loads((d1.state / "machines" / public / "machine.json").read_text())["pid"])
-        d1.kill()
-        # the operator restarts the daemon with public egress off: the public machine must not keep it
-        d2 = DaemonProcess(workdir, "--net-pool", "10.214.22.0/24", "--no-public-network").start()
-        try:
-            assert wait_until(lambda: not pid_alive(public_pid))
-            assert network_leftovers(namespace_name(public), host_if_name(public)) == []
-            assert not (d2.state / "machines" / public).exists()
-            assert f"cleaning up machine {public}: it has public egress" in d2.log.read_text(errors="replace")
-            assert ok(d2.smolctl("exec", listed, "--", "true")) == ""   # the allowlisted one is kept
-            gone = d2.smolctl("exec", public, "--", "true")
-            assert gone.returncode != 0
-            ok(d2.smolctl("rm", listed))
-            assert network_leftovers(namespace_name(listed), host_if_name(listed)) == []
-        finally:
-            d2.terminate()
-    finally:
-        d1.kill()
-        for pid in processes_mentioning(str(workdir / "state")):
-            os.kill(pid, signal.SIGKILL)
-        for m in (locals().get("public"), locals().get("listed")):
-            if m:
-                with __import__("contextlib").suppress(Exception):
-                    from smold.net.manager import remove_network
-                    remove_network(namespace_name(m), host_if_name(m))
-        shutil.rmtree(workdir, ignore_errors=True)
+def test_a_daemon_restarted_without_public_network_cleans_up_public_machines_and_keeps_the_rest(
+        restarts: Restarts) -> None:
+    d1 = restarts.daemon("--net-pool", "10.214.22.0/24")
+    public, public_pid = restarts.create(d1, restarts.task("public", '"public"'))
+    listed, _ = restarts.create(d1, restarts.task("listed", '{ allow = ["10.251.9.0/24"] }'))
+    d1.kill()
+    # the operator restarts the daemon with public egress off: the public machine must not keep it
+    d2 = restarts.daemon("--net-pool", "10.214.22.0/24", "--no-public-network")
+    assert wait_until(lambda: not pid_alive(public_pid))
+    assert network_leftovers(namespace_name(public), host_if_name(public)) == []
+    assert not (d2.state / "machines" / public).exists()
+    assert f"cleaning up machine {public}: it has public egress" in d2.log.read_text(errors="replace")
+    assert ok(d2.smolctl("exec", listed, "--", "true")) == ""   # the allowlisted one is kept
+    gone = d2.smolctl("exec", public, "--", "true")
+    assert gone.returncode != 0
+    ok(d2.smolctl("rm", listed))
+    assert network_leftovers(namespace_name(listed), host_if_name(listed)) == []
 
 
 @pytest.mark.parametrize("env", [{"net_pool": "10.214.7.0/24"}], indirect=True)
