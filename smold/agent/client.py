@@ -549,11 +549,18 @@ async def connect_unix(path: str, *, hello: bool = True, timeout: float | None =
 
 
 async def connect_vsock_uds(
-    path: str, port: int, *, hello: bool = True, timeout: float | None = 10.0
+    path: str, port: int, *, hello: bool = True, timeout: float | None = 10.0, owner: int | None = None
 ) -> AgentClient:
-    """Connect through the VMM's vsock Unix socket: `CONNECT <port>\\n` -> `OK <host port>\\n`, then HELLO."""
+    """Connect through the VMM's vsock Unix socket: `CONNECT <port>\\n` -> `OK <host port>\\n`, then HELLO.
+    ``owner``: the path must be a socket of that uid, never a symlink (smold/unixsock.py; the daemon's side)."""
+    from smold.unixsock import UnsafeSocketError, open_pinned_connection
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
+        if owner is None:
+            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
+        else:
+            reader, writer = await asyncio.wait_for(open_pinned_connection(path, owner), timeout)
+    except UnsafeSocketError as e:
+        raise AgentConnectError(str(e)) from None
     except (TimeoutError, OSError) as e:
         raise AgentConnectError(f"cannot connect to vsock socket {path}: {e!r}") from e
     try:

@@ -35,6 +35,8 @@ READY_FILE = "ready.json"   # written by the VM process once its guest agent ans
 EXIT_FILE = "exit.json"     # written by the VMM when it ends: {kind, detail, error, exit_code}
 CONSOLE_FILE = "console.log"
 CONTROL_FILE = "control.sock"  # the VMM's control socket (smold/vmm/control.py)
+VSOCK_FILE = "vsock.sock"      # the VMM's vsock Unix socket in its state dir (smold/vmm/machine.py)
+AGENT_VSOCK_PORT = 1024        # the guest agent's vsock port (smold/vmm/runner.py)
 LOG_FILE = "vmm.log"        # the VM process's stdout and stderr
 NO_SPACE_ERRNOS = ("ENOSPC", "EDQUOT")   # control-socket "errno" values meaning the disk is full
 READY_POLL_S = 0.05
@@ -114,7 +116,7 @@ class Launcher(abc.ABC):
         try:
             reply = await control_request(sock, {"op": "snapshot", "dir": str(directory), "resume": True,
                                                  "digest": digest},
-                                          timeout=timeout)
+                                          timeout=timeout, owner=self.vmm_uid)
         except (ControlError, OSError, ValueError, TimeoutError) as e:
             raise LaunchError(f"control socket {sock}: {e or type(e).__name__}") from None
         if not reply.get("ok"):
@@ -122,6 +124,11 @@ class Launcher(abc.ABC):
                               no_space=reply.get("errno") in NO_SPACE_ERRNOS)
         info = reply.get("snapshot")
         return info if isinstance(info, dict) else {}
+
+    @property
+    def vmm_uid(self) -> int:
+        """The uid the VM process runs as: the sockets it makes in its state directory must be that uid's."""
+        return os.geteuid()
 
     @abc.abstractmethod
     async def connect(self, state_dir: Path, ready: dict[str, Any], timeout: float = 10.0) -> AgentClient:
@@ -254,10 +261,15 @@ class VmmLauncher(Launcher):
             *spec.net_args,
         ]
 
+    @property
+    def vmm_uid(self) -> int:
+        return self.jail.uid if self.jail is not None else os.geteuid()
+
     async def connect(self, state_dir: Path, ready: dict[str, Any], timeout: float = 10.0) -> AgentClient:
-        path = str(ready.get("vsock_path") or state_dir / "vsock.sock")
-        port = int(ready.get("agent_port", 1024))
-        return await connect_vsock_uds(path, port, timeout=timeout)
+        # ready.json is the VM process's (a jailed VMM can write it): its vsock_path and agent_port are never
+        # used. The daemon connects to the one fixed path, only to a socket the VM process's uid made there.
+        return await connect_vsock_uds(str(state_dir / VSOCK_FILE), AGENT_VSOCK_PORT, timeout=timeout,
+                                       owner=self.vmm_uid)
 
 
 def load_launcher(name: str, seccomp: str = "on", jail: JailOptions | None = None) -> Launcher:

@@ -122,9 +122,16 @@ class ControlServer:
         raise ControlError(f"unknown op {op!r} (status, pause, resume, snapshot)")
 
 
-async def control_request(path: Path | str, request: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
-    """Send one request to a VMM's control socket and return its reply (a small client for tools/tests)."""
-    reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path), limit=MAX_LINE), timeout)
+async def control_request(path: Path | str, request: dict[str, Any], timeout: float = 120.0, *,
+                          owner: int | None = None) -> dict[str, Any]:
+    """Send one request to a VMM's control socket and return its reply. ``owner``: the path must be a socket of
+    that uid, never a symlink (smold/unixsock.py: the daemon connecting to a socket a jailed VMM made)."""
+    if owner is None:
+        opened = asyncio.open_unix_connection(str(path), limit=MAX_LINE)
+    else:
+        from smold.unixsock import open_pinned_connection
+        opened = open_pinned_connection(path, owner, limit=MAX_LINE)
+    reader, writer = await asyncio.wait_for(opened, timeout)
     try:
         writer.write(json.dumps(request).encode() + b"\n")
         await writer.drain()

@@ -74,6 +74,7 @@ from smold.vmm.vcpu import VcpuExit, VcpuThread, install_kick_handler
 
 log = logging.getLogger(__name__)
 
+VSOCK_FILE = "vsock.sock"    # the vsock Unix socket in the state dir (the daemon connects only there)
 QUEUE_NOTIFY_OFFSET = 0x50   # virtio 1.2 §4.2.2: QueueNotify register
 DEFAULT_CMDLINE = ("console=ttyS0 reboot=k panic=-1 nomodule i8042.noaux i8042.nomux i8042.dumbkbd "
                    "tsc=reliable no_timer_check noreplace-smp cryptomgr.notests rcupdate.rcu_expedited=1 "
@@ -224,7 +225,7 @@ class Machine:
         self._snapshot_lock = asyncio.Lock()
         self.state_dir = Path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.vsock_path = self.state_dir / "vsock.sock"
+        self.vsock_path = self.state_dir / VSOCK_FILE
         self._closers: list[Callable[[], None]] = []
         self._exit: MachineExit | None = None
         self._exit_lock = threading.Lock()

@@ -1,0 +1,100 @@
+"""The daemon connects only to sockets its VM process made, at fixed paths (#19 finding 6: a jailed VMM writes
+ready.json and its state dir, and once pointed the root daemon at any host Unix socket)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from smold.agent import AgentConnectError
+from smold.daemon import launcher as launcher_mod
+from smold.daemon.errors import LaunchError
+from smold.daemon.launcher import CONTROL_FILE, VSOCK_FILE, VmmLauncher
+from smold.unixsock import UnsafeSocketError, pinned
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[socket.socket]:
+    """A host service's listening socket (what a hostile VMM would point the daemon at), non-blocking."""
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(tmp_path / "host-service.sock"))
+    s.listen()
+    s.setblocking(False)
+    yield s
+    s.close()
+
+
+def connected(s: socket.socket) -> bool:
+    try:
+        s.accept()[0].close()
+    except BlockingIOError:
+        return False
+    return True
+
+
+def test_pinned_reaches_the_socket_it_checked(tmp_path: Path, service: socket.socket) -> None:
+    with pinned(service.getsockname(), os.geteuid()) as p:
+        c = socket.socket(socket.AF_UNIX)
+        c.connect(p)
+        c.close()
+    assert connected(service)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "file", "owner"])
+def test_pinned_refuses_what_is_not_the_owners_own_socket(tmp_path: Path, service: socket.socket,
+                                                          kind: str) -> None:
+    path = tmp_path / "vsock.sock"
+    owner = os.geteuid()
+    if kind == "symlink":
+        path.symlink_to(service.getsockname())
+    elif kind == "file":
+        path.write_text("")
+    else:
+        path = Path(service.getsockname())
+        owner += 1
+    with pytest.raises(UnsafeSocketError, match={"symlink": "is a symlink", "file": "not a socket",
+                                                 "owner": "belongs to uid"}[kind]):
+        with pinned(path, owner):
+            pass
+    assert not connected(service)
+
+
+def test_the_launcher_ignores_ready_json_and_never_follows_a_planted_symlink(tmp_path: Path,
+                                                                             service: socket.socket) -> None:
+    """Before: VmmLauncher.connect went to ready.json's vsock_path, and a symlink at vsock.sock was followed."""
+    state = tmp_path / "machine"
+    state.mkdir()
+    hostile_ready = {"vsock_path": service.getsockname(), "agent_port": 22}
+    (state / "ready.json").write_text(json.dumps(hostile_ready))
+    launcher = VmmLauncher()
+    with pytest.raises(AgentConnectError):               # no vsock.sock at the fixed path: nothing to reach
+        asyncio.run(launcher.connect(state, hostile_ready, timeout=2))
+    (state / VSOCK_FILE).symlink_to(service.getsockname())
+    with pytest.raises(AgentConnectError, match="is a symlink"):
+        asyncio.run(launcher.connect(state, hostile_ready, timeout=2))
+    assert not connected(service)
+
+
+def test_a_snapshot_is_never_asked_of_a_socket_the_control_path_links_to(tmp_path: Path,
+                                                                        service: socket.socket) -> None:
+    state = tmp_path / "machine"
+    state.mkdir()
+    (state / CONTROL_FILE).symlink_to(service.getsockname())
+    with pytest.raises(LaunchError, match="is a symlink"):
+        asyncio.run(VmmLauncher().snapshot(state, tmp_path / "snap", timeout=2))
+    assert not connected(service)
+
+
+def test_the_launchers_fixed_names_are_the_vmms() -> None:
+    from smold.vmm import machine, runner
+    assert launcher_mod.AGENT_VSOCK_PORT == runner.AGENT_VSOCK_PORT
+    assert VSOCK_FILE == machine.VSOCK_FILE
+    assert launcher_mod.CONTROL_FILE == runner.CONTROL_FILE
+    assert VmmLauncher(jail=launcher_mod.JailOptions(uid=64123)).vmm_uid == 64123
+    assert VmmLauncher().vmm_uid == os.geteuid()
