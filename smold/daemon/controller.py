@@ -49,6 +49,7 @@ from smold.api.machine import (
     RunResult,
     StepResult,
 )
+from smold.authrecord import KEY_FILE, RecordAuthError, RecordKey, read_unverified
 from smold.net import AddressPool, ForwardError, NetError, NetworkManager, NftError, VmNetwork
 from smold.smolfile import (
     Check,
@@ -109,7 +110,7 @@ from .process import (
     is_same_process,
     kill_group,
 )
-from .record import MachineRecord, RecordError
+from .record import RECORD_FILE, MachineRecord, RecordError
 
 log = logging.getLogger("smold.controller")
 OUTPUTS_ARTIFACT = "outputs.tar"  # a sealed Run's re-packed outputs, kept with its result
@@ -192,9 +193,9 @@ class Machine:
             argv=list(proc.argv) if proc else [], started=proc.started if proc else None,
             failure_reason=self.failure_reason, checkpoint=str(self.checkpoint or ""), run_result=self.run_result)
 
-    def save(self) -> None:
+    def save(self, key: RecordKey) -> None:
         with contextlib.suppress(OSError):  # the state dir may be gone (destroyed meanwhile)
-            self.record().save(self.state_dir)
+            self.record().save(self.state_dir, key)
 
 
 class StepFailedError(Exception):
@@ -224,10 +225,15 @@ class Controller:
         self.bakes = BakeStore(config.bakes_dir)
         self._baking: set[str] = set()        # bake keys being baked
         self._restoring: Counter[Path] = Counter()  # snapshot directories a create is about to restore
+        # authenticates machine.json and net.json, which sit where a jailed VMM can write (start() loads the
+        # daemon's persistent key; a controller that is never started keeps this one)
+        self.record_key = RecordKey.generate()
 
     # --- start-up: re-adopt or clean up what an earlier daemon left ---------------------------------------
     async def start(self) -> None:
         self.config.machines_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.record_key = RecordKey.load_or_create(self.config.state_dir / KEY_FILE)
+        self.network.record_key = self.record_key
         for d in sorted(self.config.machines_dir.iterdir()):
             if d.is_dir() and not d.is_symlink():
                 await self._adopt_or_clean(d)
@@ -270,12 +276,29 @@ class Controller:
         await self._clean_host_side(d)
         await asyncio.to_thread(shutil.rmtree, d, True)
 
+    @staticmethod
+    def _unverified_vmm_pid(d: Path) -> int | None:
+        """The VM process a record this daemon cannot authenticate names (an older daemon's, or forged), to be
+        killed only if it is alive with exactly that argv and start time and its argv names this machine's own
+        directory: a forged record cannot get another process killed."""
+        try:
+            data = read_unverified(d / RECORD_FILE)
+            pid, argv, started = data.get("pid"), data.get("argv"), data.get("started")
+        except RecordAuthError:
+            return None
+        if not (isinstance(pid, int) and pid > 1 and isinstance(argv, list) and all(isinstance(a, str) for a in argv)
+                and (started is None or isinstance(started, int))):
+            return None
+        if not any(a == str(d) or f"{d}/" in a for a in argv):
+            return None
+        return pid if is_same_process(pid, argv, started) else None
+
     async def _adopt_or_clean(self, d: Path) -> None:
         try:
-            rec = MachineRecord.load(d)
+            rec = MachineRecord.load(d, self.record_key)
         except RecordError as e:
             log.warning("removing %s: %s", d, e)
-            await self._remove_leftovers(d)
+            await self._remove_leftovers(d, self._unverified_vmm_pid(d))
             return
         why = ""
         proc: AdoptedProcess | None = None
@@ -558,14 +581,14 @@ class Controller:
         finally:
             m.create_task = None
         m.phase = MachineState.RUNNING
-        m.save()
+        m.save(self.record_key)
         log.info("machine %s running (%d cpus, %d MiB)", mid, m.cpus, m.memory_mib)
         return m
 
     async def _boot(self, m: Machine, image: Any, steps: list[StepResult]) -> None:
         start = time.monotonic()
         await asyncio.to_thread(m.state_dir.mkdir, 0o700)
-        m.save()
+        m.save(self.record_key)
         boot_timeout = m.smolfile.timeouts.boot
         if m.smolfile.network.enabled:  # its own namespace, uplink, tap, rules and resolver, before the VMM
             try:
@@ -587,7 +610,7 @@ class Controller:
         except LaunchError as e:
             raise CreateFailedError(f"machine {m.id}: {e}", Status.INTERNAL) from None
         m.proc = proc
-        m.save()
+        m.save(self.record_key)
         m.watcher = asyncio.create_task(self._watch(m))
         ready_task = asyncio.ensure_future(self.launcher.wait_ready(spec, proc))
         exited_task = asyncio.ensure_future(m.exited.wait())
@@ -713,7 +736,7 @@ class Controller:
         for name in ("vsock.sock", "agent.sock", READY_FILE):
             with contextlib.suppress(OSError):
                 (m.state_dir / name).unlink()
-        m.save()
+        m.save(self.record_key)
         tail = self.console_tail(m, 2048).rstrip()
         if tail:
             log.warning("machine %s console tail:\n%s", m.id, tail)
@@ -1573,7 +1596,7 @@ class Controller:
         for m in list(self._machines.values()):
             if m.watcher is not None:
                 m.watcher.cancel()
-            m.save()
+            m.save(self.record_key)
             if leave and m.phase is MachineState.RUNNING:
                 log.info("leaving machine %s running (VM process %s)", m.id, m.proc.pid if m.proc else "?")
         for task in list(self._background):

@@ -1,12 +1,13 @@
-"""The small JSON record each machine keeps in its state directory, so a restarted daemon can re-adopt it."""
+"""The small JSON record each machine keeps in its state directory, so a restarted daemon can re-adopt it
+(authenticated with the daemon's key: the directory is the jailed VMM's too; smold/authrecord.py)."""
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from smold.authrecord import RecordAuthError, RecordKey
 
 RECORD_FILE = "machine.json"
 RECORD_VERSION = 1
@@ -40,22 +41,21 @@ class MachineRecord:
     run_result: str = ""            # the stored result of the Run it serves ("": not a Run's machine)
     version: int = RECORD_VERSION
 
-    def save(self, state_dir: Path) -> None:
-        """Write atomically (temp file + rename)."""
-        path = state_dir / RECORD_FILE
-        tmp = state_dir / f".{RECORD_FILE}.tmp"
-        tmp.write_text(json.dumps(asdict(self), sort_keys=True, indent=1) + "\n")
-        os.replace(tmp, path)
+    def save(self, state_dir: Path, key: RecordKey) -> None:
+        """Write atomically, with the daemon's MAC (smold/authrecord.py)."""
+        key.write(state_dir / RECORD_FILE, asdict(self), f"{RECORD_FILE} {self.id}", indent=1)
 
     @classmethod
-    def load(cls, state_dir: Path) -> MachineRecord:
+    def load(cls, state_dir: Path, key: RecordKey) -> MachineRecord:
+        """The record of the machine whose directory this is; RecordError unless this daemon wrote it there."""
+        path = state_dir / RECORD_FILE
         try:
-            data = json.loads((state_dir / RECORD_FILE).read_text())
-        except (OSError, ValueError) as e:
-            raise RecordError(f"{state_dir / RECORD_FILE}: {e}") from None
-        if not isinstance(data, dict) or data.get("version") != RECORD_VERSION:
-            raise RecordError(f"{state_dir / RECORD_FILE}: not a version {RECORD_VERSION} machine record")
+            data = key.read(path, f"{RECORD_FILE} {state_dir.name}")
+        except RecordAuthError as e:
+            raise RecordError(str(e)) from None
+        if data.get("version") != RECORD_VERSION:
+            raise RecordError(f"{path}: not a version {RECORD_VERSION} machine record")
         try:
             return cls(**data)
         except TypeError as e:
-            raise RecordError(f"{state_dir / RECORD_FILE}: {e}") from None
+            raise RecordError(f"{path}: {e}") from None

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import json
 import logging
 import os
 import socket
@@ -26,6 +25,7 @@ from pathlib import Path
 from pyroute2 import IPRoute
 
 from smold.api.machine import DeniedDestination, NetworkReport
+from smold.authrecord import RecordKey
 from smold.smolfile import SmolfileError, parse_mapping
 from smold.smolfile.model import NetworkPolicy, PortForward
 
@@ -174,7 +174,8 @@ class NetworkManager:
     """Creates and removes machines' networks; owns the uplink pool. Blocking work runs in threads."""
 
     def __init__(self, pool: AddressPool | None = None, resolve: Resolve = resolve_on_host,
-                 enable_forwarding: bool = True, host_rules: bool = True) -> None:
+                 enable_forwarding: bool = True, host_rules: bool = True,
+                 record_key: RecordKey | None = None) -> None:
         self.pool = pool or AddressPool(DEFAULT_POOL)
         self.resolve = resolve
         self.enable_forwarding = enable_forwarding
@@ -182,6 +183,12 @@ class NetworkManager:
         self._pool_in_host_table = False
         self._host_chains_checked = False
         self.networks: dict[str, VmNetwork] = {}
+        # net.json sits in the machine's state dir, where a jailed VMM can write: it is authenticated, and a
+        # restarted daemon adopts only a record of its own (the daemon sets its persistent key here)
+        self.record_key = record_key or RecordKey.generate()
+
+    def _write_record(self, state_dir: Path, net: VmNetwork) -> None:
+        self.record_key.write(state_dir / NET_FILE, net.record(), f"{NET_FILE} {net.machine_id}")
 
     # --- set up -------------------------------------------------------------------------------------------
     async def setup(self, machine_id: str, policy: NetworkPolicy, *, guest_link: str = "tap",
@@ -210,7 +217,7 @@ class NetworkManager:
                 net.forwarder = PortForwarder(machine_id, net.namespace, GUEST, policy.forward, auto_ports=auto_ports)
                 await net.forwarder.start()
             if state_dir is not None:
-                await asyncio.to_thread(_write_record, state_dir, net)
+                await asyncio.to_thread(self._write_record, state_dir, net)
         except BaseException:
             await self.teardown(net)
             raise
@@ -222,7 +229,7 @@ class NetworkManager:
         """Take over a machine's network left by an earlier daemon (namespace and rules still there): claim
         its uplink and serve DNS again."""
         try:
-            rec = json.loads((state_dir / NET_FILE).read_text())
+            rec = self.record_key.read(state_dir / NET_FILE, f"{NET_FILE} {machine_id}")
             index = int(rec["uplink_index"])
             generation = int(rec.get("generation", 1))
             policy = _recorded_policy(rec.get("policy"), policy)
@@ -296,7 +303,7 @@ class NetworkManager:
             net.resolved, net.policy, net.generation = resolved, policy, net.generation + 1
             try:
                 if state_dir is not None:
-                    await asyncio.to_thread(_write_record, state_dir, net)
+                    await asyncio.to_thread(self._write_record, state_dir, net)
                 if resolved.public and not was_public:   # the host out of reach before the guest can go public
                     await asyncio.to_thread(self._host_rules, net)
                 await asyncio.to_thread(nft.apply, net.namespace, render_update(self.ruleset(net, host_now)))
@@ -306,7 +313,7 @@ class NetworkManager:
                     await asyncio.to_thread(remove_public_uplink, net.host_if)
                 if state_dir is not None:
                     with contextlib.suppress(OSError):
-                        await asyncio.to_thread(_write_record, state_dir, net)
+                        await asyncio.to_thread(self._write_record, state_dir, net)
                 raise
             if was_public and not resolved.public and self.host_rules:
                 await asyncio.to_thread(remove_public_uplink, net.host_if)
@@ -571,5 +578,3 @@ def network_leftovers(namespace: str, host_if: str) -> list[str]:
     return out
 
 
-def _write_record(state_dir: Path, net: VmNetwork) -> None:
-    (state_dir / NET_FILE).write_text(json.dumps(net.record()) + "\n")

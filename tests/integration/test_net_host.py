@@ -264,7 +264,8 @@ async def test_port_forwards_reach_the_guest_survive_a_restart_and_go_with_the_n
         await net.forwarder.close()
         await net.dns.close()
         assert await asyncio.to_thread(_http_get, "127.0.0.1", auto.host_port) == "ConnectionRefusedError"
-        fresh = NetworkManager(AddressPool("10.214.5.0/24"), resolve=lambda n: [])
+        fresh = NetworkManager(AddressPool("10.214.5.0/24"), resolve=lambda n: [],
+                               record_key=mgr.record_key)   # a restarted daemon: the same key
         others.append(fresh)
         net = await fresh.adopt(mid, policy, tmp_path)
         assert net.forwarded_ports == (auto, fixed_fwd)
@@ -510,7 +511,8 @@ async def test_a_running_machines_policy_changes_atomically_cuts_old_connections
         # a restarted daemon: the policy in force (public), not the created one (closed)
         assert net.dns is not None
         await net.dns.close()
-        fresh = NetworkManager(AddressPool("10.214.15.0/24"), resolve=lambda n: [])
+        fresh = NetworkManager(AddressPool("10.214.15.0/24"), resolve=lambda n: [],
+                               record_key=mgr.record_key)   # a restarted daemon: the same key
         adopted = await fresh.adopt(mid, created, tmp_path)
         assert adopted.policy.public and adopted.generation == 6
         mgr, net = fresh, adopted

@@ -42,6 +42,7 @@ from daemon_support import (
 from smold.api.machine import MachineState
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
+from smold.authrecord import KEY_FILE, RecordKey
 from smold.daemon import Controller, Daemon, DaemonConfig
 from smold.daemon.controller import Machine
 from smold.daemon.errors import CreateFailedError, Status
@@ -605,7 +606,7 @@ async def test_restart_never_kills_a_process_that_is_not_the_recorded_vm(workdir
                       state_dir=d, created_at=datetime.now(UTC), launcher="host-agent",
                       phase=MachineState.RUNNING).record()
         rec.pid, rec.argv, rec.started = stranger.pid, [sys.executable, "-m", "smol_agent"], None
-        rec.save(d)
+        rec.save(d, RecordKey.load_or_create(config.state_dir / KEY_FILE))   # authentic: the daemon's own key
         (d / "ready.json").write_text(json.dumps({"agent_socket": str(d / "agent.sock")}))
         ctl = Controller(config, HostAgentLauncher(), fake_images(workdir))
         await ctl.start()

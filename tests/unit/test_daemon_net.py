@@ -190,6 +190,25 @@ def test_a_daemon_restarted_without_public_network_cleans_up_public_machines_and
     assert network_leftovers(namespace_name(listed), host_if_name(listed)) == []
 
 
+def test_a_forged_net_record_is_not_adopted(restarts: Restarts) -> None:
+    """#19 finding 6: net.json sits in the state dir a jailed VMM owns. Before, a restarted daemon re-applied
+    whatever policy it recorded (here: everything allowed); now a record without the daemon's MAC is refused and
+    the machine cleaned up."""
+    d1 = restarts.daemon("--net-pool", "10.214.23.0/24")
+    forged, pid = restarts.create(d1, restarts.task("task", '{ allow = ["10.251.9.0/24"] }'))
+    d1.kill()
+    record = d1.state / "machines" / forged / "net.json"
+    data = json.loads(record.read_text())
+    data["policy"]["allow"] = ["0.0.0.0/0"]
+    record.write_text(json.dumps(data))
+    d2 = restarts.daemon("--net-pool", "10.214.23.0/24")
+    assert wait_until(lambda: not pid_alive(pid))
+    assert not (d2.state / "machines" / forged).exists()
+    assert network_leftovers(namespace_name(forged), host_if_name(forged)) == []
+    log = d2.log.read_text(errors="replace")
+    assert f"cleaning up machine {forged}: its network cannot be re-adopted" in log and "MAC does not verify" in log
+
+
 @pytest.mark.parametrize("env", [{"net_pool": "10.214.7.0/24"}], indirect=True)
 async def test_port_forwards_are_reported_conflicts_refused_and_closed_on_destroy(env: Env) -> None:
     import socket

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import socket
 from datetime import UTC, datetime
@@ -15,6 +16,7 @@ from smolctl.commands.cp import remote
 from smold.api import convert
 from smold.api.machine import MachineInfo, MachineState, RunResult, StepResult
 from smold.api.v1 import smol_pb2 as pb
+from smold.authrecord import RecordKey
 from smold.daemon.config import DaemonConfig
 from smold.daemon.errors import InvalidRequestError
 from smold.daemon.guestops import check_tar, pack_tree, validate_guest_path
@@ -129,17 +131,27 @@ def test_load_launcher() -> None:
 
 
 def test_record_round_trip_and_rejects(tmp_path: Path) -> None:
+    key = RecordKey.generate()
+    d = tmp_path / "m-1"
+    d.mkdir()
     rec = MachineRecord(id="m-1", name="n", phase="running", created_at=datetime.now(UTC).isoformat(), cpus=1,
                         memory_mib=128, image="default", image_digest="sha256:i", smolfile={"cpus": 1},
                         smolfile_digest="sha256:s", base_dir=None, launcher="vmm", pid=5, argv=["a", "b"], started=7)
-    rec.save(tmp_path)
-    assert MachineRecord.load(tmp_path) == rec
-    (tmp_path / "machine.json").write_text('{"version": 99}')
-    with pytest.raises(RecordError, match="not a version 1"):
-        MachineRecord.load(tmp_path)
-    (tmp_path / "machine.json").write_text("{")
+    rec.save(d, key)
+    assert MachineRecord.load(d, key) == rec
+    with pytest.raises(RecordError, match="does not verify"):
+        MachineRecord.load(d, RecordKey.generate())              # another daemon's key
+    other = tmp_path / "m-2"
+    other.mkdir()
+    shutil.copy(d / "machine.json", other / "machine.json")
+    with pytest.raises(RecordError, match="does not verify"):
+        MachineRecord.load(other, key)                            # moved to another machine's directory
+    (d / "machine.json").write_text('{"version": 99}')
+    with pytest.raises(RecordError, match="no MAC"):
+        MachineRecord.load(d, key)
+    (d / "machine.json").write_text("{")
     with pytest.raises(RecordError):
-        MachineRecord.load(tmp_path)
+        MachineRecord.load(d, key)
 
 
 def test_exit_status_and_proc_helpers() -> None:
@@ -221,3 +233,30 @@ def test_rpc_error_messages_are_one_line() -> None:
                                                               "UNKNOWN: unix:/s: No such file or directory"), "/s")
     assert msg.startswith("cannot reach smold at /s: failed to connect") and "SMOL_SOCKET" in msg
     assert rpc_error_message(Err(grpc.StatusCode.INTERNAL, ""), "/s") == "INTERNAL"
+
+
+def test_an_unauthenticated_record_gets_only_its_own_machines_process_killed(tmp_path: Path) -> None:
+    """A record without this daemon's MAC (forged, or an older daemon's) names the VM process to kill only if
+    that process is alive with exactly that argv and start time and its argv names the machine's directory."""
+    import json
+    import subprocess
+    import sys
+
+    from smold.daemon.controller import Controller
+    from smold.daemon.process import start_time
+
+    d = tmp_path / "m-1"
+    d.mkdir()
+    mine = [sys.executable, "-c", "import time; time.sleep(60)", f"{d}/vsock.sock"]
+    other = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = [subprocess.Popen(argv) for argv in (mine, other)]
+    try:
+        for p, argv, expect in ((procs[0], mine, True), (procs[1], other, False)):
+            (d / "machine.json").write_text(json.dumps({"pid": p.pid, "argv": argv, "started": start_time(p.pid)}))
+            assert (Controller._unverified_vmm_pid(d) == p.pid) is expect
+        (d / "machine.json").write_text(json.dumps({"pid": procs[0].pid, "argv": mine, "started": 1}))
+        assert Controller._unverified_vmm_pid(d) is None             # not the process that was started then
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

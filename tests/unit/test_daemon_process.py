@@ -77,6 +77,30 @@ def test_restart_readopts_running_machines_and_cleans_up_the_rest(workdir: Path)
         assert d2.terminate() == 0
 
 
+def test_a_machine_record_the_vm_process_could_have_forged_is_not_adopted(workdir: Path) -> None:
+    """#19 finding 6: machine.json sits in the state dir a jailed VMM owns. Before, a restarted daemon adopted
+    whatever record it found there (a forged Smolfile: other allowed names, other mounts); now a record without
+    this daemon's MAC is not adopted: the machine is cleaned up."""
+    d1 = DaemonProcess(workdir).start()
+    try:
+        mid = ok(d1.smolctl("create", str(workdir / "task"), "--name", "forged")).strip()
+        pid = machine_pid(d1, mid)
+    finally:
+        d1.kill()
+    record = d1.state / "machines" / mid / "machine.json"
+    data = json.loads(record.read_text())
+    data["smolfile"]["env"] = {"FORGED": "1"}
+    record.write_text(json.dumps(data))
+    d2 = DaemonProcess(workdir).start()
+    try:
+        assert mid not in ok(d2.smolctl("ls"))
+        assert wait_until(lambda: not pid_alive(pid))
+        assert not (d2.state / "machines" / mid).exists()
+        assert f"removing {d2.state / 'machines' / mid}" in d2.log_text() and "MAC does not verify" in d2.log_text()
+    finally:
+        assert d2.terminate() == 0
+
+
 def test_readopted_machine_is_destroyed_cleanly(workdir: Path) -> None:
     d1 = DaemonProcess(workdir).start()
     mid = ok(d1.smolctl("create", str(workdir / "task"))).strip()
