@@ -198,6 +198,9 @@ class Machine:
             self.record().save(self.state_dir, key)
 
 
+EXIT_FIELD_CHARS = 500   # of each exit.json field in a failure reason (the VMM wrote them)
+
+
 class StepFailedError(Exception):
     """Creating a machine stopped at a failed mount or setup step (internal: Create and Run report it)."""
 
@@ -716,13 +719,13 @@ class Controller:
         st = m.exit_status.describe() if m.exit_status else "ended"
         text = f"VM process {m.proc.pid if m.proc else '?'} {st}"
         try:
-            info = json.loads((m.state_dir / EXIT_FILE).read_text())
-        except (OSError, ValueError):
+            info: dict[str, Any] | None = read_unverified(m.state_dir / EXIT_FILE)   # the VMM's words: hostile
+        except RecordAuthError:
             info = None
-        if isinstance(info, dict):
-            bits = [str(info.get(k)) for k in ("kind", "detail") if info.get(k)]
+        if info is not None:
+            bits = [str(info.get(k))[:EXIT_FIELD_CHARS] for k in ("kind", "detail") if info.get(k)]
             if info.get("error"):
-                bits.append(str(info["error"]).splitlines()[0])
+                bits.append((str(info["error"]).splitlines() or [""])[0][:EXIT_FIELD_CHARS])
             if bits:
                 text += ": " + ": ".join(bits)
         return text

@@ -13,7 +13,6 @@ import abc
 import asyncio
 import contextlib
 import importlib
-import json
 import logging
 import os
 import shutil
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from smold.agent import AgentClient, connect_vsock_uds
+from smold.authrecord import RecordAuthError, read_unverified
 
 from .errors import LaunchError
 from .images import Image
@@ -144,12 +144,12 @@ class Launcher(abc.ABC):
 
 
 def read_ready(path: Path) -> dict[str, Any] | None:
-    """The ready file's JSON object, or None while it is missing or incomplete."""
+    """The ready file's JSON object, or None while it is missing or incomplete. The VM process wrote it: read
+    without following a link, at most 4 MiB (smold/authrecord.py), its values never trusted as paths."""
     try:
-        info = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_unverified(path)
+    except RecordAuthError:
         return None
-    return info if isinstance(info, dict) else None
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from smold.authrecord import KEY_FILE, RecordKey
 from smold.daemon import Controller, Daemon, DaemonConfig
 from smold.daemon.controller import Machine
 from smold.daemon.errors import CreateFailedError, Status
-from smold.daemon.launcher import Launcher
+from smold.daemon.launcher import Launcher, LaunchSpec
 from smold.smolfile import digest, parse_smolfile
 
 pytestmark = pytest.mark.timeout(120)
@@ -551,6 +551,41 @@ async def test_vm_process_that_dies_during_boot_fails_the_create(workdir: Path) 
     assert m.failure_reason.endswith("exited with status 3") and "vmm: boom" in ctl.get(m.id).console_tail
     await ctl.shutdown(leave=False)
     assert list(config.machines_dir.iterdir()) == []
+
+
+class HostileExitLauncher(CrashingLauncher):
+    """A "VM process" that leaves exit.json as a link to a host file, or as 1 MB of detail, and exits 3."""
+
+    kind = "hostile-exit"
+
+    def __init__(self, how: str, secret: Path) -> None:
+        self.how, self.secret = how, secret
+
+    def command(self, spec: LaunchSpec) -> list[str]:
+        exit_json = spec.state_dir / "exit.json"
+        if self.how == "link":
+            code = f"import os; os.symlink({str(self.secret)!r}, {str(exit_json)!r}); raise SystemExit(3)"
+        else:
+            code = (f"import json; open({str(exit_json)!r}, 'w').write(json.dumps("
+                    "{'kind': 'error', 'detail': 'x' * 1000000})); raise SystemExit(3)")
+        return [sys.executable, "-c", code]
+
+
+@pytest.mark.parametrize("how", ["link", "huge"])
+async def test_exit_json_is_the_vm_process_s_words_never_a_link_and_bounded(workdir: Path, how: str) -> None:
+    """#19 finding 6: exit.json is written by the VMM. Before, the daemon followed a link there (a host file's
+    JSON in the failure reason) and copied any length into it."""
+    secret = workdir / "host-secret.json"
+    secret.write_text(json.dumps({"kind": "error", "detail": "HOST-SECRET"}))
+    config = DaemonConfig(socket_path=workdir / "s", state_dir=workdir / "state", boot_grace_s=0.5)
+    ctl = Controller(config, HostileExitLauncher(how, secret), fake_images(workdir))
+    await ctl.start()
+    with pytest.raises(CreateFailedError):
+        await ctl.create(parse_smolfile("memory = 256", base_dir=None))
+    (m,) = ctl.list_machines()
+    assert "exited with status 3" in m.failure_reason and "HOST-SECRET" not in m.failure_reason
+    assert len(m.failure_reason) < 2000
+    await ctl.shutdown(leave=False)
 
 
 async def test_run_whose_vm_cannot_boot_is_an_error_and_leaves_nothing(workdir: Path) -> None:
