@@ -37,19 +37,26 @@ class RecordKey:
 
     @classmethod
     def load_or_create(cls, path: Path) -> RecordKey:
-        """The key at ``path`` (0600, a plain file), made on first use."""
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            pass
-        else:
-            with os.fdopen(fd, "wb") as f:
-                f.write(secrets.token_bytes(32))
+        """The key at ``path`` (0600, a plain file), made on first use: written whole under a temp name and
+        linked into place, so two daemons starting together agree on one key and never read a partial one."""
+        if not os.path.lexists(path):
+            tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(secrets.token_bytes(32))
+                    f.flush()
+                    os.fsync(f.fileno())
+                with contextlib.suppress(FileExistsError):
+                    os.link(tmp, path)
+            finally:
+                os.unlink(tmp)
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
-                raise RecordAuthError(f"{path}: the record key must be a plain file only its owner can read")
+            if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077 or st.st_uid != os.geteuid():
+                raise RecordAuthError(f"{path}: a key must be a plain file of this process's uid that only its "
+                                      "owner can read (mode 0600)")
             return cls(f.read(64))
 
     def mac(self, purpose: str, data: dict[str, Any]) -> str:

@@ -79,6 +79,10 @@ def parser() -> argparse.ArgumentParser:
                     help="refuse machines whose Smolfile asks for network = \"public\" (allowlists still work)")
     ap.add_argument("--bakes-dir", type=Path, metavar="DIR",
                     help="the bake store (STATE_DIR/bakes); daemons on one host may share one")
+    ap.add_argument("--bakes-key", type=Path, metavar="FILE",
+                    help="the key that authenticates bakes (a file of 32+ random bytes, 0600, owned by this "
+                         "daemon's uid): only bakes it authenticates are restored. Default: the daemon's own key "
+                         "for STATE_DIR/bakes, BAKES_DIR/.bake.key (made on first use) for a --bakes-dir")
     ap.add_argument("--no-auto-bake", dest="auto_bake", action="store_false",
                     help="do not bake a machine that had to boot as its image's base (by default the next machine "
                          "of that image, size and network restores it, then copies its mounts and runs its setup)")
@@ -101,7 +105,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         mount_roots=tuple(p.absolute() for p in args.mount_root), max_concurrent_calls=args.max_concurrent_calls,
         jail=args.jail, jail_uid=args.jail_uid, jail_gid=args.jail_gid, net_pool=args.net_pool,
         public_network=args.public_network,
-        bakes_path=args.bakes_dir and args.bakes_dir.absolute(), auto_bake=args.auto_bake)
+        bakes_path=args.bakes_dir and args.bakes_dir.absolute(),
+        bakes_key_path=args.bakes_key and args.bakes_key.absolute(), auto_bake=args.auto_bake)
 
 
 def main(argv: list[str] | None = None) -> int:

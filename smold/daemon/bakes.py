@@ -12,7 +12,11 @@ had to boot bakes itself as that base first (``--no-auto-bake`` turns that off).
 may share a store (``--bakes-dir``): temporary directories carry the writer's pid, and a bake already in
 place when an automatic one finishes is kept.
 
-Before a bake is restored it is checked (``BakeStore.verify``): bake.json names the same key, the state file
+bake.json carries a MAC (HMAC-SHA256, smold/authrecord.py) under the store's key (``--bakes-key``; by default
+the daemon's own key for its own store, ``.bake.key`` in a shared one) over its fields, the bake's key and the
+sha256 of the state file: a bake that another writer of a shared store put there without the key is refused.
+Before a bake is restored it is checked (``BakeStore.verify``): bake.json is authenticated and names the same
+key, the state file is the one it authenticates
 passes its checks (magic, version, sha256), the snapshot is of the Smolfile's size and the image's root disk,
 and the memory file matches the sha256 recorded in the state when it was baked. Hashing the memory file
 reads all of it, so that check runs once per file identity (device, inode, size, mtime, ctime) and is
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -34,6 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from smold.authrecord import RecordAuthError, RecordKey
 from smold.smolfile import Smolfile, boot_state_digest, boot_state_mapping, digest
 from smold.snapshot.errors import SnapshotError
 from smold.snapshot.state import VmSnapshot
@@ -47,6 +51,7 @@ TEMP_PREFIX = ".tmp-"   # + "<pid>-...": half-written or half-deleted; removed o
 BAKE_META_VERSION = 1
 KEY_RE = re.compile(r"(?:sha256:)?([0-9a-f]{6,64})")
 _HASH_CHUNK = 1 << 20
+STATE_DIGEST = "state_sha256"   # bake.json: the sha256 of snapshot.state, under the MAC
 
 
 class BakeError(DaemonError):
@@ -145,17 +150,22 @@ class BakeMeta:
                    memory_mib=smolfile.memory_mib, created_at=datetime.now(UTC).isoformat(),
                    bake_seconds=round(seconds, 3))
 
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True, indent=1) + "\n"
+    def write(self, directory: Path, key: RecordKey) -> None:
+        """bake.json into ``directory`` (the bake's final name is its key's hex) with the store key's MAC over
+        this description and the sha256 of the snapshot's state file, which records the memory file's."""
+        data = {**self.__dict__, STATE_DIGEST: _file_sha256(directory / STATE_FILE)}
+        key.write(directory / BAKE_META, data, f"{BAKE_META} {key_hex(self.key)}", indent=1)
 
     @classmethod
-    def load(cls, directory: Path) -> BakeMeta:
-        """BakeCorruptError if bake.json is missing, unreadable or not of this version."""
+    def load(cls, directory: Path, key: RecordKey) -> BakeMeta:
+        """BakeCorruptError if bake.json is missing, unreadable, not of this version, not authenticated by the
+        store's key for this bake, or if the state file is not the one it authenticates."""
         path = directory / BAKE_META
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise BakeCorruptError(f"bake {directory.name[:12]}: {path} is unreadable: {e}") from None
+            data: Any = key.read(path, f"{BAKE_META} {directory.name}")
+        except RecordAuthError as e:
+            raise BakeCorruptError(f"bake {directory.name[:12]}: {e}") from None
+        state_digest = data.pop(STATE_DIGEST, None)
         if not isinstance(data, dict) or data.get("version") != BAKE_META_VERSION:
             raise BakeCorruptError(f"bake {directory.name[:12]}: {path} is not a version {BAKE_META_VERSION} "
                                    "bake description")
@@ -166,6 +176,13 @@ class BakeMeta:
         for name in ("key", "image", "image_digest", "created_at"):
             if not isinstance(getattr(meta, name), str):
                 raise BakeCorruptError(f"bake {directory.name[:12]}: {path}: {name} is not a string")
+        try:
+            actual = _file_sha256(directory / STATE_FILE)
+        except OSError as e:
+            raise BakeCorruptError(f"bake {directory.name[:12]}: {STATE_FILE}: {e.strerror or e}") from None
+        if state_digest != actual:
+            raise BakeCorruptError(f"bake {directory.name[:12]}: its {STATE_FILE} is not the one bake.json "
+                                   f"authenticates (sha256 {actual[:16]}, not {str(state_digest)[:16]})")
         return meta
 
     @property
@@ -182,11 +199,22 @@ def _identity(path: Path) -> tuple[int, int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-class BakeStore:
-    """The bakes under one directory. Blocking methods: call them through asyncio.to_thread."""
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
-    def __init__(self, directory: Path) -> None:
+
+class BakeStore:
+    """The bakes under one directory. Blocking methods: call them through asyncio.to_thread. ``key``
+    authenticates them (DaemonConfig.bakes_key_file; the controller sets it at start)."""
+
+    def __init__(self, directory: Path, key: RecordKey | None = None) -> None:
         self.directory = directory
+        self.key = key or RecordKey.generate()
         self._verified: dict[str, tuple[tuple[int, ...], str]] = {}  # hex -> (file identities, error or "")
 
     def path(self, key: str) -> Path:
@@ -241,7 +269,7 @@ class BakeStore:
         if not directory.is_dir():
             raise BakeNotFoundError(f"no bake {key}")
         short = hexkey[:12]
-        meta = BakeMeta.load(directory)
+        meta = BakeMeta.load(directory, self.key)
         if key_hex(meta.key) != hexkey:
             raise BakeCorruptError(f"bake {short}: bake.json names key {meta.key}, not {key}")
         try:

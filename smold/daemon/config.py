@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from smold.authrecord import KEY_FILE
+
+BAKES_KEY_FILE = ".bake.key"   # in a shared --bakes-dir: the key its daemons authenticate bakes with
 DEFAULT_SOCKET = Path("/run/smold/smold.sock")
 DEFAULT_STATE_DIR = Path("/var/lib/smold")
 DEFAULT_COPY_CAP = 64 * 1024 * 1024
@@ -66,6 +69,7 @@ class DaemonConfig:
     net_pool: str = "10.213.0.0/16"  # per-machine /30 uplinks of networked machines (docs/networking.md)
     public_network: bool = True  # machines may ask for network = "public" (--no-public-network refuses them)
     bakes_path: Path | None = None  # the bake store (--bakes-dir); None: STATE_DIR/bakes
+    bakes_key_path: Path | None = None  # the key that authenticates the bakes (--bakes-key); see bakes_key_file
     auto_bake: bool = True  # a machine that had to boot is baked as its image's base before mounts and setup
 
     @property
@@ -81,6 +85,16 @@ class DaemonConfig:
     def bakes_dir(self) -> Path:
         """Pre-baked images (BakeImage, base bakes; CreateMachine restores a matching one): ``<key hex>/``."""
         return self.bakes_path if self.bakes_path is not None else self.state_dir / "bakes"
+
+    @property
+    def bakes_key_file(self) -> Path:
+        """The key the bakes' MACs use (smold/daemon/bakes.py): --bakes-key; else the daemon's record key for its
+        own store, and ``.bake.key`` in a --bakes-dir (made 0600 by the first daemon, owned by its uid)."""
+        if self.bakes_key_path is not None:
+            return self.bakes_key_path
+        if self.bakes_path is None:
+            return self.state_dir / KEY_FILE
+        return self.bakes_path / BAKES_KEY_FILE
 
     @property
     def forks_dir(self) -> Path:
@@ -115,6 +129,8 @@ class DaemonConfig:
             raise ValueError("--agent-connect-timeout must be positive")
         if self.max_concurrent_calls < 1:
             raise ValueError("--max-concurrent-calls must be at least 1")
+        if self.bakes_key_path is not None and not self.bakes_key_path.is_absolute():
+            raise ValueError(f"--bakes-key must be an absolute path (got {self.bakes_key_path})")
         if self.bakes_path is not None and not self.bakes_path.is_absolute():
             raise ValueError(f"--bakes-dir must be an absolute path (got {self.bakes_path})")
         if any(not p.is_absolute() for p in self.mount_roots):

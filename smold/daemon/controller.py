@@ -67,7 +67,6 @@ from smold.verifier.outputs import OutputsError, Repacked, repack
 
 from . import guestops
 from .bakes import (
-    BAKE_META,
     TEMP_PREFIX,
     BakeBusyError,
     BakeCorruptError,
@@ -237,6 +236,8 @@ class Controller:
         self.config.machines_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.record_key = RecordKey.load_or_create(self.config.state_dir / KEY_FILE)
         self.network.record_key = self.record_key
+        self.config.bakes_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.bakes.key = RecordKey.load_or_create(self.config.bakes_key_file)
         for d in sorted(self.config.machines_dir.iterdir()):
             if d.is_dir() and not d.is_symlink():
                 await self._adopt_or_clean(d)
@@ -1299,7 +1300,8 @@ class Controller:
         try:
             await self._write_checkpoint(m, tmp, "", memory_digest=True)
             meta = BakeMeta.for_smolfile(key, smolfile, image, mounts, time.monotonic() - start)
-            kept = await asyncio.to_thread(_finish_bake, tmp, self.bakes.path(key), meta.to_json(), replace=replace)
+            kept = await asyncio.to_thread(_finish_bake, tmp, self.bakes.path(key), meta, self.bakes.key,
+                                           replace=replace)
         finally:
             if not kept:
                 await asyncio.to_thread(shutil.rmtree, tmp, True)
@@ -1348,7 +1350,7 @@ class Controller:
         directory = self.bakes.path(key)
         machines = self._restored_machines(directory)
         try:
-            meta = BakeMeta.load(directory)
+            meta = BakeMeta.load(directory, self.bakes.key)
         except BakeCorruptError as e:
             return BakeInfo(key=key, path=str(directory), image="", image_digest="", cpus=0, memory_mib=0,
                             size_bytes=self.bakes.size_bytes(key), created_at=datetime.fromtimestamp(0, UTC),
@@ -1611,10 +1613,11 @@ def key_short(key: str) -> str:
     return key.removeprefix("sha256:")[:12]
 
 
-def _finish_bake(tmp: Path, final: Path, meta_json: str, *, replace: bool = True) -> bool:
-    """Make a written bake durable and move it into place, replacing an older one of the same key; without
-    ``replace`` an existing one is kept and False returned (the caller removes ``tmp``)."""
-    (tmp / BAKE_META).write_text(meta_json)
+def _finish_bake(tmp: Path, final: Path, meta: BakeMeta, key: RecordKey, *, replace: bool = True) -> bool:
+    """Describe a written bake (bake.json, authenticated with the store's key), make it durable and move it into
+    place, replacing an older one of the same key; without ``replace`` an existing one is kept and False returned
+    (the caller removes ``tmp``)."""
+    meta.write(tmp, key)
     for p in tmp.iterdir():
         fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
         try:

@@ -37,8 +37,17 @@ from smold.api import convert
 from smold.api.machine import BakeInfo
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
+from smold.authrecord import RecordKey
 from smold.daemon import Daemon, DaemonConfig
-from smold.daemon.bakes import BakeCorruptError, BakeStore, bake_key, base_smolfile, key_hex, mounts_digest
+from smold.daemon.bakes import (
+    BakeCorruptError,
+    BakeMeta,
+    BakeStore,
+    bake_key,
+    base_smolfile,
+    key_hex,
+    mounts_digest,
+)
 from smold.daemon.controller import _finish_bake
 from smold.daemon.errors import LaunchError
 from smold.daemon.record import MachineRecord
@@ -346,17 +355,51 @@ async def test_daemons_sharing_a_bake_store_restore_each_others_base(workdir: Pa
 
 
 def test_an_automatic_bake_keeps_the_one_already_in_place(tmp_path: Path) -> None:
-    final = tmp_path / "ab"
+    key = RecordKey.generate()
+    hexkey = "ab" * 32
+    final = tmp_path / hexkey
     final.mkdir()
     (final / "bake.json").write_text("first")
     tmp = tmp_path / ".tmp-1-x"
     tmp.mkdir()
     (tmp / "memory.raw").write_bytes(b"m")
-    assert _finish_bake(tmp, final, "second", replace=False) is False
+    (tmp / "snapshot.state").write_bytes(b"s")
+    meta = _meta(f"sha256:{hexkey}")
+    assert _finish_bake(tmp, final, meta, key, replace=False) is False
     assert (final / "bake.json").read_text() == "first"
-    assert _finish_bake(tmp, final, "second") is True            # BakeImage(replace=True) replaces it
-    assert (final / "bake.json").read_text() == "second" and not tmp.exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["ab"]         # the old one removed
+    assert _finish_bake(tmp, final, meta, key) is True            # BakeImage(replace=True) replaces it
+    assert BakeMeta.load(final, key) == meta and not tmp.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [hexkey]       # the old one removed
+
+
+def _meta(key: str, **changes: Any) -> BakeMeta:
+    return BakeMeta(**{"key": key, "image": "default", "image_digest": "sha256:i", "mounts_digest": "sha256:m",
+                       "smolfile_digest": "sha256:s", "boot_state": {}, "cpus": 1, "memory_mib": MEM_MIB,
+                       "created_at": datetime.now(UTC).isoformat(), "bake_seconds": 1.0, **changes})
+
+
+def test_a_bake_the_store_key_did_not_authenticate_is_refused(tmp_path: Path) -> None:
+    """#19 finding 8: bakes were checksummed, not authenticated, in a store other daemons may write. Now a bake
+    restores only with a MAC under the store's key over its description and its state file."""
+    rootfs = tmp_path / "rootfs"
+    rootfs.write_bytes(b"r")
+    bakes = BakeStore(tmp_path / "bakes")
+    key = "sha256:" + "ef" * 32
+    d = bakes.path(key)
+    write_snapshot(d, rootfs, digest=True)
+    meta = _meta(key)
+    (d / "bake.json").write_text(json.dumps(meta.__dict__))
+    with pytest.raises(BakeCorruptError, match="no MAC"):      # consistent checksums, written by another
+        bakes.verify(key)
+    meta.write(d, RecordKey.generate())                         # another store key's MAC
+    with pytest.raises(BakeCorruptError, match="does not verify"):
+        bakes.verify(key)
+    meta.write(d, bakes.key)
+    bakes.verify(key)
+    _flip(d / "snapshot.state", 200)                            # another state file under the same bake.json
+    bakes.forget(key)
+    with pytest.raises(BakeCorruptError, match="is not the one bake.json authenticates"):
+        bakes.verify(key)
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -372,10 +415,10 @@ def _flip(path: Path, offset: int) -> None:
     (lambda d: _flip(d / "memory.raw", (64 << 20) + 5), "does not match the recorded"),
     (lambda d: _flip(d / "snapshot.state", 200), "sha256"),
     (lambda d: os.truncate(d / "memory.raw", 4096), "has 4096 bytes"),
-    (lambda d: (d / "snapshot.state").unlink(), "not a snapshot directory"),
+    (lambda d: (d / "snapshot.state").unlink(), "snapshot.state: No such file"),
     (lambda d: (d / "bake.json").write_text('{"version": 1}'), "bake.json"),
     (lambda d: (d / "bake.json").write_text(
-        (d / "bake.json").read_text().replace('"key": "sha256:', '"key": "sha256:0')), "names key"),
+        (d / "bake.json").read_text().replace('"key": "sha256:', '"key": "sha256:0')), "does not verify"),
 ])
 async def test_a_damaged_bake_is_refused_and_the_machine_boots_instead(env: Env, damage: Any, message: str) -> None:
     s = env.stub
@@ -401,10 +444,7 @@ def test_memory_is_hashed_once_per_file_identity(tmp_path: Path, monkeypatch: py
     key = "sha256:" + "ab" * 32
     d = bakes.path(key)
     write_snapshot(d, rootfs, digest=True)
-    (d / "bake.json").write_text(json.dumps({
-        "key": key, "image": "default", "image_digest": "sha256:i", "mounts_digest": "sha256:m",
-        "smolfile_digest": "sha256:s", "boot_state": {}, "cpus": 1, "memory_mib": MEM_MIB,
-        "created_at": datetime.now(UTC).isoformat(), "bake_seconds": 1.0, "version": 1}))
+    _meta(key).write(d, bakes.key)
     calls = []
     real = store.verify_memory
     monkeypatch.setattr("smold.daemon.bakes.verify_memory", lambda *a: (calls.append(1), real(*a)))
@@ -432,14 +472,11 @@ def test_a_bake_without_a_memory_digest_or_of_another_disk_is_refused(tmp_path: 
     key = "sha256:" + "cd" * 32
     d = bakes.path(key)
     write_snapshot(d, rootfs, digest=False)
-    meta = {"key": key, "image": "default", "image_digest": "sha256:i", "mounts_digest": "sha256:m",
-            "smolfile_digest": "sha256:s", "boot_state": {}, "cpus": 1, "memory_mib": MEM_MIB,
-            "created_at": datetime.now(UTC).isoformat(), "bake_seconds": 1.0, "version": 1}
-    (d / "bake.json").write_text(json.dumps(meta))
+    _meta(key).write(d, bakes.key)
     with pytest.raises(BakeCorruptError, match="no memory digest"):
         bakes.verify(key)
     write_snapshot(d, rootfs, digest=True)
-    (d / "bake.json").write_text(json.dumps({**meta, "memory_mib": 256}))
+    _meta(key, memory_mib=256).write(d, bakes.key)
     with pytest.raises(BakeCorruptError, match="bake.json says"):
         bakes.verify(key)
 
