@@ -163,6 +163,7 @@ class JailOptions:
     cgroup_parent: str = "smol"
 
 
+VMM_ENVIRONMENT = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 SNAPSHOT_OUT = "snapshot.out"   # a jailed VMM writes snapshots here (its state dir), the daemon moves them
 
 
@@ -230,6 +231,15 @@ class VmmLauncher(Launcher):
             raise LaunchError(f"cannot move the snapshot into {directory}: {e}") from None
         info["directory"] = str(directory)
         return info
+
+    def environment(self) -> dict[str, str]:
+        """The VMM's environment: a fixed minimum, never the daemon's own (which may hold a registry password
+        or a cloud key the VMM, the process a guest attacks, has no use for; #19 finding 5). The VMM reads no
+        variable; PYTHONPATH is kept only so that a daemon run from a source tree finds its package."""
+        env = dict(VMM_ENVIRONMENT)
+        if os.environ.get("PYTHONPATH"):
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        return env
 
     def vmm_command(self, spec: LaunchSpec) -> list[str]:
         """The VMM's own argv (``command`` without the jail)."""

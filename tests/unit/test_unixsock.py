@@ -98,3 +98,12 @@ def test_the_launchers_fixed_names_are_the_vmms() -> None:
     assert launcher_mod.CONTROL_FILE == runner.CONTROL_FILE
     assert VmmLauncher(jail=launcher_mod.JailOptions(uid=64123)).vmm_uid == 64123
     assert VmmLauncher().vmm_uid == os.geteuid()
+
+
+def test_the_vmm_gets_a_minimal_environment_not_the_daemons(monkeypatch: pytest.MonkeyPatch) -> None:
+    """#19 finding 5: the daemon's environment (here a cloud key) was passed to every VMM."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "daemon-secret")
+    monkeypatch.setenv("PYTHONPATH", "/src/smol")
+    env = VmmLauncher().environment()
+    assert "AWS_SECRET_ACCESS_KEY" not in env and env["PYTHONPATH"] == "/src/smol"
+    assert set(env) == {"PATH", "LANG", "PYTHONPATH"}
