@@ -154,6 +154,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.pytest = args.pytest[1:]
     if not args.pytest:
         p.error("no pytest command given")
+    if args.tries < 1 or args.stall < 1:
+        p.error("--tries and --stall must be at least 1 (0 would end the tier before any rig ran)")
     return args
 
 

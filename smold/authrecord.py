@@ -104,6 +104,8 @@ def read_unverified(path: Path) -> dict[str, Any]:
         data = json.loads(raw)
     except ValueError as e:
         raise RecordAuthError(f"{path}: not JSON ({e})") from None
+    except RecursionError:   # 4 MiB of '[' nests deeper than the parser's stack
+        raise RecordAuthError(f"{path}: JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise RecordAuthError(f"{path}: not a JSON object")
     return data

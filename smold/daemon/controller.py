@@ -240,7 +240,10 @@ class Controller:
         self.bakes.key = RecordKey.load_or_create(self.config.bakes_key_file)
         for d in sorted(self.config.machines_dir.iterdir()):
             if d.is_dir() and not d.is_symlink():
-                await self._adopt_or_clean(d)
+                try:
+                    await self._adopt_or_clean(d)
+                except Exception:   # one machine's leftovers, whatever is wrong with them, never stop the daemon
+                    log.exception("machine directory %s: adopting or cleaning it up failed; left as it is", d)
             else:
                 with contextlib.suppress(OSError):
                     d.unlink()

@@ -60,3 +60,10 @@ def test_the_key_persists_and_must_be_private(tmp_path: Path) -> None:
     path.chmod(0o644)
     with pytest.raises(RecordAuthError, match="only its"):
         RecordKey.load_or_create(path)
+
+
+def test_a_nesting_bomb_is_refused_not_raised(tmp_path: Path) -> None:
+    path = tmp_path / "machine.json"
+    path.write_text("[" * (MAX_RECORD_BYTES // 2))      # within the size cap, deeper than json's recursion
+    with pytest.raises(RecordAuthError, match="nested too deeply|not JSON"):
+        RecordKey.generate().read(path, "p")

@@ -650,3 +650,28 @@ async def test_restart_never_kills_a_process_that_is_not_the_recorded_vm(workdir
     finally:
         stranger.kill()
         stranger.wait()
+
+
+async def test_one_machine_dir_that_breaks_adoption_never_stops_the_daemon(
+        workdir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    config = DaemonConfig(socket_path=workdir / "s", state_dir=workdir / "state", boot_grace_s=0.5)
+    config.machines_dir.mkdir(parents=True)
+    for name in ("m-000000000001", "m-000000000002"):
+        (config.machines_dir / name).mkdir()
+    ctl = Controller(config, CrashingLauncher(), fake_images(workdir))
+    seen: list[str] = []
+    original = Controller._adopt_or_clean
+
+    async def adopt(self: Controller, d: Path) -> None:
+        seen.append(d.name)
+        if d.name.endswith("1"):
+            raise PermissionError(13, "Permission denied", str(d))   # whatever one leftover does
+        await original(self, d)
+
+    monkeypatch.setattr(Controller, "_adopt_or_clean", adopt)
+    with caplog.at_level(logging.ERROR, logger="smold.controller"):
+        await ctl.start()
+    assert seen == ["m-000000000001", "m-000000000002"]
+    assert "m-000000000001: adopting or cleaning it up failed" in caplog.text
+    assert not (config.machines_dir / "m-000000000002").exists()      # the next one was still cleaned up
+    await ctl.shutdown(leave=False)

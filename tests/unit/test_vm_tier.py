@@ -132,3 +132,10 @@ def test_report_log_outcomes(tmp_path: Path, torn: bool) -> None:
     assert got["t::err"].detail == "(setup) fixture broke" and got["t::skip"].detail == "Skipped: no"
     assert all(o.attempt == 2 for o in got.values())
     assert vm_tier.read_report_log(tmp_path / "absent.jsonl", 1) == {}
+
+
+@pytest.mark.parametrize("flag", ["--tries", "--stall"])
+def test_zero_tries_or_stall_is_refused_before_any_rig(tmp_path: Path, flag: str) -> None:
+    proc = subprocess.run([*VM_TIER, "--out", str(tmp_path), flag, "0", "--", "true"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "must be at least 1" in proc.stderr, proc.stderr
