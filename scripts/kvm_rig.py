@@ -369,7 +369,19 @@ def default_memory_mib() -> int:
     return max(4096, min(16384, total // 2))
 
 
-PATCHED_MARK = "SVM EVENTINJ fix"   # .ci/rig-qemu's --with-pkgversion
+PATCHED_MARK = "smol rig: "   # .ci/rig-qemu's --with-pkgversion starts with it and names its fixes
+REPORT_PREFIX = "smol-rig-qemu:"   # what .ci/rig-qemu.patch prints when one of its guards acts
+
+
+def qemu_label(version: tuple[int, ...], text: str) -> str:
+    """The banner's name for the rig's QEMU: its version, and the fixes of .ci/rig-qemu's build if it is one."""
+    m = re.search(re.escape(PATCHED_MARK) + r"([^)\n]*)\)", text)
+    return ".".join(map(str, version)) + (f" with {m.group(1).strip()}" if m else "")
+
+
+def guard_reports(qemu_log: str, limit: int = 40) -> list[str]:
+    """The lines the patched QEMU printed when a guard acted (evidence for docs/kvm-rig.md's flake table)."""
+    return [line.strip() for line in qemu_log.splitlines() if line.startswith(REPORT_PREFIX)][:limit]
 
 
 def qemu_version_text(qemu: str) -> str:
@@ -450,8 +462,13 @@ class Rig:
 
     def diagnostics(self) -> str:
         """What a failed or timed-out run shows: the console's tail and the last process list."""
+        try:
+            reports = guard_reports((self.jobdir / "qemu.log").read_bytes().decode(errors="replace"))
+        except OSError:
+            reports = []
         return (f"--- rig console (tail) ---\n{self.console_tail()}\n"
-                f"--- rig processes (last list) ---\n{self.processes()}")
+                f"--- rig processes (last list) ---\n{self.processes()}"
+                + "".join(f"\n{line}" for line in reports))
 
     def prepare(self) -> list[str]:
         qemu = shutil.which(self.args.qemu) or self.args.qemu
@@ -459,7 +476,7 @@ class Rig:
             raise RigError(f"{self.args.qemu} is not installed (apt-get install qemu-system-x86)")
         text = qemu_version_text(qemu)
         version = qemu_version(qemu, text)
-        label = ".".join(map(str, version)) + (" with the SVM EVENTINJ fix" if PATCHED_MARK in text else "")
+        label = qemu_label(version, text)
         if version < (10, 0):
             log(f"warning: QEMU {'.'.join(map(str, version))} is older than 10.0; its TCG panicked the rig's kernel "
                 "in 2 of 4 VM-tier runs (docs/kvm-rig.md); scripts/setup ci installs 10.0 from bookworm-backports")
@@ -526,6 +543,8 @@ class Rig:
             time.sleep(0.5)
         self.pump()
         qemu_out = (self.jobdir / "qemu.log").read_bytes().decode(errors="replace")
+        for line in guard_reports(qemu_out):
+            log(f"QEMU's guard acted: {line}")
         err = self.jobdir / "rig-error"
         if err.exists():
             raise RigError(err.read_text().strip())

@@ -111,3 +111,20 @@ def test_candidate_options_reach_qemu_and_the_module_load(tmp_path: Path) -> Non
     for bad in (["--kvm-amd", "vgif=0; reboot"], ["--kvm-amd", "vgif"], ["--cpu-model", "max $(x)"]):
         with pytest.raises(SystemExit):
             kvm_rig.parse_args([*bad, "--", "true"])
+
+
+def test_qemu_label_names_the_rig_builds_fixes() -> None:
+    debian = "QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-1~bpo12+1)\n"
+    ours = "QEMU emulator version 10.0.13 (smol rig: SVM EVENTINJ fix, NPT guards)\nCopyright (c) 2003-2025\n"
+    assert kvm_rig.qemu_label((10, 0, 2), debian) == "10.0.2"
+    assert kvm_rig.qemu_label((10, 0, 13), ours) == "10.0.13 with SVM EVENTINJ fix, NPT guards"
+
+
+def test_guard_reports_are_the_patched_qemus_lines_only() -> None:
+    log = ("qemu-system-x86_64: warning: host doesn't support requested feature\n"
+           "smol-rig-qemu: cpu 1: NPT set in host mode: host access translated without it (hflags 0x1)\n"
+           + "smol-rig-qemu: cpu 0: #VMEXIT in host mode: guest state not saved\n" * 50)
+    got = kvm_rig.guard_reports(log)
+    assert got[0] == "smol-rig-qemu: cpu 1: NPT set in host mode: host access translated without it (hflags 0x1)"
+    assert len(got) == 40 and all(line.startswith("smol-rig-qemu:") for line in got)
+    assert kvm_rig.guard_reports("nothing here\n") == []
