@@ -71,8 +71,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--jail", action="store_true",
                     help="run each VM process in a jail: own mount/PID/IPC/UTS namespaces, a root holding only its "
                          "files, an unprivileged uid, a cgroup memory and CPU limit (docs/security.md)")
-    ap.add_argument("--jail-uid", type=int, default=64000, help="uid of jailed VM processes (64000)")
-    ap.add_argument("--jail-gid", type=int, default=64000, help="gid of jailed VM processes (64000)")
+    ap.add_argument("--jail-uid", type=int, default=64000,
+                    help="first of the 1024 uids of jailed VM processes, one per machine (64000)")
+    ap.add_argument("--jail-gid", type=int, default=64000,
+                    help="first of the 1024 gids of jailed VM processes, one per machine (64000)")
     ap.add_argument("--net-pool", default="10.213.0.0/16", metavar="CIDR",
                     help="IPv4 pool of the per-machine /30 uplinks of networked machines (10.213.0.0/16)")
     ap.add_argument("--no-public-network", dest="public_network", action="store_false",

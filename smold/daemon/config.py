@@ -64,7 +64,7 @@ class DaemonConfig:
     mount_roots: tuple[Path, ...] = ()  # when set, mount sources must resolve inside one of these directories
     max_concurrent_calls: int = 256  # gRPC calls in progress at once (per listener); more get RESOURCE_EXHAUSTED
     jail: bool = False  # run each VMM in its jail (smold/jail/jailer.py): namespaces, chroot, uid, cgroup
-    jail_uid: int = 64000  # the jailed VMM's uid and gid (must not be 0)
+    jail_uid: int = 64000  # the first of the jailed VMMs' uids and gids, one pair per machine (not 0)
     jail_gid: int = 64000
     net_pool: str = "10.213.0.0/16"  # per-machine /30 uplinks of networked machines (docs/networking.md)
     public_network: bool = True  # machines may ask for network = "public" (--no-public-network refuses them)

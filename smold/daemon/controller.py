@@ -596,12 +596,16 @@ class Controller:
         start = time.monotonic()
         await asyncio.to_thread(m.state_dir.mkdir, 0o700)
         m.save(self.record_key)
+        try:   # the VM process's uid and gid: a jailed VMM's own, its tap handed to them
+            vmm_ids = self.launcher.assign_vmm_ids(m.state_dir)
+        except LaunchError as e:
+            raise CreateFailedError(str(e), Status.RESOURCE_EXHAUSTED) from None
         boot_timeout = m.smolfile.timeouts.boot
         if m.smolfile.network.enabled:  # its own namespace, uplink, tap, rules and resolver, before the VMM
             try:
                 fork_child = m.checkpoint is not None and m.checkpoint.parent == self.config.forks_dir
                 m.net = await self.network.setup(m.id, m.smolfile.network, state_dir=m.state_dir,
-                                                 auto_ports=fork_child)
+                                                 auto_ports=fork_child, tap_owner=vmm_ids)
             except ForwardError as e:
                 raise CreateFailedError(f"{e} (choose another host port in network.forward, or none for a free "
                                         "one)", Status.FAILED_PRECONDITION) from None

@@ -116,7 +116,7 @@ class Launcher(abc.ABC):
         try:
             reply = await control_request(sock, {"op": "snapshot", "dir": str(directory), "resume": True,
                                                  "digest": digest},
-                                          timeout=timeout, owner=self.vmm_uid)
+                                          timeout=timeout, owner=self.vmm_ids(state_dir)[0])
         except (ControlError, OSError, ValueError, TimeoutError) as e:
             raise LaunchError(f"control socket {sock}: {e or type(e).__name__}") from None
         if not reply.get("ok"):
@@ -125,10 +125,14 @@ class Launcher(abc.ABC):
         info = reply.get("snapshot")
         return info if isinstance(info, dict) else {}
 
-    @property
-    def vmm_uid(self) -> int:
-        """The uid the VM process runs as: the sockets it makes in its state directory must be that uid's."""
-        return os.geteuid()
+    def vmm_ids(self, state_dir: Path) -> tuple[int, int]:
+        """The uid and gid the VM process of the machine in ``state_dir`` runs as: the sockets it makes there
+        must be that uid's, and its tap is handed to them (the daemon's own here)."""
+        return os.geteuid(), os.getegid()
+
+    def assign_vmm_ids(self, state_dir: Path) -> tuple[int, int]:
+        """``vmm_ids`` for a new machine, assigning them first where the launcher gives each VM its own."""
+        return self.vmm_ids(state_dir)
 
     @abc.abstractmethod
     async def connect(self, state_dir: Path, ready: dict[str, Any], timeout: float = 10.0) -> AgentClient:
@@ -156,11 +160,18 @@ def read_ready(path: Path) -> dict[str, Any] | None:
 class JailOptions:
     """How VmmLauncher jails each VMM (``python -m smold.jail``, smold/jail/jailer.py; docs/security.md)."""
 
-    uid: int = 64000
+    uid: int = 64000                         # each VM gets its own uid and gid: the first free of JAIL_IDS from these
     gid: int = 64000
     base: Path = Path("/run/smol-jail")      # jail roots: BASE/<machine id>
     memory_overhead_mib: int = 256           # cgroup memory.max = guest RAM + this (the VMM's own memory)
     cgroup_parent: str = "smol"
+
+
+JAIL_IDS = 1024   # uids (and gids) per daemon for its jailed VMs: --jail-uid .. --jail-uid + 1023, one per machine
+
+
+class JailIdsExhaustedError(LaunchError):
+    """Every uid of the jail's range belongs to a live machine."""
 
 
 VMM_ENVIRONMENT = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
@@ -178,16 +189,52 @@ class VmmLauncher(Launcher):
         self.seccomp = seccomp   # the VMM's system call filter: on, log or off (smold/jail/seccomp.py)
         self.jail = jail
 
+    def vmm_ids(self, state_dir: Path) -> tuple[int, int]:
+        """Jailed: the machine's own uid and gid (``assign_vmm_ids``), read from its state directory's owner,
+        which only root can change: a restarted daemon finds them there too."""
+        if self.jail is None:
+            return super().vmm_ids(state_dir)
+        j = self.jail
+        st = state_dir.lstat()
+        if j.uid <= st.st_uid < j.uid + JAIL_IDS and st.st_gid == j.gid + (st.st_uid - j.uid):
+            return st.st_uid, st.st_gid
+        if st.st_uid == os.geteuid():   # not assigned yet (or a machine of an unjailed daemon): root's
+            return st.st_uid, st.st_gid
+        raise LaunchError(f"{state_dir} is owned by uid {st.st_uid}, neither the daemon's nor one of its jail's")
+
+    def assign_vmm_ids(self, state_dir: Path) -> tuple[int, int]:
+        """Jailed: a uid and gid of the machine's own, so that one VMM a guest took over cannot signal, trace or
+        write another's files (#19 finding 5): the lowest pair of the range (``JAIL_IDS`` from --jail-uid and
+        --jail-gid) that no other machine directory is owned by; the state directory is chowned to it with no
+        await in between (the daemon's event loop makes the choice atomic)."""
+        if self.jail is None:
+            return super().assign_vmm_ids(state_dir)
+        j = self.jail
+        ids = self.vmm_ids(state_dir)
+        if ids[0] != os.geteuid():
+            return ids
+        taken = set()
+        with contextlib.suppress(OSError):
+            for d in state_dir.parent.iterdir():
+                with contextlib.suppress(OSError):
+                    taken.add(d.lstat().st_uid)
+        for slot in range(JAIL_IDS):
+            if j.uid + slot not in taken:
+                os.chown(state_dir, j.uid + slot, j.gid + slot, follow_symlinks=False)
+                return j.uid + slot, j.gid + slot
+        raise JailIdsExhaustedError(f"all {JAIL_IDS} jail uids from {j.uid} are in use by live machines")
+
     def command(self, spec: LaunchSpec) -> list[str]:
         argv = self.vmm_command(spec)
         if self.jail is None:
             return argv
         j = self.jail
+        uid, gid = self.assign_vmm_ids(spec.state_dir)
         paths = [spec.image.kernel, spec.image.initramfs, spec.image.rootfs]
         if spec.restore_from is not None:
             paths.append(spec.restore_from)
         ro = [a for p in paths for a in ("--ro", str(Path(p).absolute()))]
-        return [self.python, *SAFE_PATH, "-m", "smold.jail", "--name", spec.machine_id, "--uid", str(j.uid), "--gid", str(j.gid),
+        return [self.python, *SAFE_PATH, "-m", "smold.jail", "--name", spec.machine_id, "--uid", str(uid), "--gid", str(gid),
                 "--state-dir", str(spec.state_dir), "--jail-base", str(j.base), *ro,
                 "--memory-bytes", str((spec.memory_mib + j.memory_overhead_mib) << 20), "--cpus", str(spec.cpus),
                 "--cgroup-parent", j.cgroup_parent, *(["--keep-netns"] if spec.netns_prefix else []), "--", *argv]
@@ -271,15 +318,11 @@ class VmmLauncher(Launcher):
             *spec.net_args,
         ]
 
-    @property
-    def vmm_uid(self) -> int:
-        return self.jail.uid if self.jail is not None else os.geteuid()
-
     async def connect(self, state_dir: Path, ready: dict[str, Any], timeout: float = 10.0) -> AgentClient:
         # ready.json is the VM process's (a jailed VMM can write it): its vsock_path and agent_port are never
         # used. The daemon connects to the one fixed path, only to a socket the VM process's uid made there.
         return await connect_vsock_uds(str(state_dir / VSOCK_FILE), AGENT_VSOCK_PORT, timeout=timeout,
-                                       owner=self.vmm_uid)
+                                       owner=self.vmm_ids(state_dir)[0])
 
 
 def load_launcher(name: str, seccomp: str = "on", jail: JailOptions | None = None) -> Launcher:

@@ -144,6 +144,7 @@ class VmNetwork:
     dns: DnsServer | None = None
     forwarder: PortForwarder | None = None  # the Smolfile's network.forward (None: no forwards)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tap_owner: tuple[int, int] | None = None   # the VM process's uid and gid (a jailed VMM's own); None: ours
 
     @property
     def forwarded_ports(self) -> tuple[PortForward, ...]:
@@ -192,10 +193,12 @@ class NetworkManager:
 
     # --- set up -------------------------------------------------------------------------------------------
     async def setup(self, machine_id: str, policy: NetworkPolicy, *, guest_link: str = "tap",
-                    state_dir: Path | None = None, auto_ports: bool = False) -> VmNetwork:
+                    state_dir: Path | None = None, auto_ports: bool = False,
+                    tap_owner: tuple[int, int] | None = None) -> VmNetwork:
         """Namespace, uplink, guest link, nftables policy, DNS resolver and port forwards for one machine; on
         any failure everything created so far is removed again. ``auto_ports``: forwards listen on free
-        ports whatever the Smolfile fixes (a fork child, whose parent holds those)."""
+        ports whatever the Smolfile fixes (a fork child, whose parent holds those). ``tap_owner``: the uid and
+        gid the tap is handed to (a jailed VMM's, which cannot attach to root's tap: #19 finding 5)."""
         if not policy.enabled:
             raise NetError("networking is off for this machine")
         if guest_link not in ("tap", "veth"):
@@ -206,7 +209,7 @@ class NetworkManager:
         host_now = await asyncio.to_thread(netns.host_addresses)
         uplink = self.pool.allocate(machine_id, (n.network_address for n in host_now))
         net = VmNetwork(machine_id, namespace_name(machine_id), host_if_name(machine_id), uplink, resolved,
-                        guest_link, policy)
+                        guest_link, policy, tap_owner=tap_owner)
         self.networks[machine_id] = net
         try:
             await asyncio.to_thread(self._create_links, net)
@@ -500,7 +503,7 @@ def _configure_namespace(net: VmNetwork, peer: str) -> None:
             ipr.link("set", index=up, state="up")
             ipr.route("add", dst="0.0.0.0/0", gateway=str(net.uplink.host))
             if net.guest_link == "tap":
-                netns.create_tap(GUEST_IF, os.getuid(), os.getgid())
+                netns.create_tap(GUEST_IF, *(net.tap_owner or (os.getuid(), os.getgid())))
             else:  # a test's fake guest: the peer "guest0" is moved into the test's guest namespace
                 ipr.link("add", ifname=GUEST_IF, kind="veth", peer="guest0")
             g = ipr.link_lookup(ifname=GUEST_IF)[0]

@@ -122,10 +122,13 @@ def test_vm_over_its_memory_limit_is_stopped_and_reported_while_its_neighbour_ru
     cgroups = {m.id: Cgroup(m.id, "smol") for m in (victim, neighbour)}
     if os.environ.get("SMOL_KVM_RIG"):   # the rig mounts a unified hierarchy: this is the cgroup v2 path
         assert all(cg.v2 for cg in cgroups.values())
+    uids = set()
     for m in (victim, neighbour):   # each VMM runs jailed in its own cgroup, limited to guest RAM + overhead
         cg = cgroups[m.id]
         assert cg.memory_limit() == (256 + 256) * MiB and cg.procs(), (m.id, cg.procs())
-        assert os.stat(f"/proc/{cg.procs()[0]}").st_uid == 64071
+        uids.add(os.stat(f"/proc/{cg.procs()[0]}").st_uid)
+    # each under a uid of its own from the jail's range (#19 finding 5: all shared --jail-uid before)
+    assert len(uids) == 2 and all(64071 <= u < 64071 + 1024 for u in uids), uids
     assert sh(stub, "victim", "echo up") == "up"
 
     cg = cgroups[victim.id]

@@ -81,6 +81,24 @@ async def test_restarted_daemon_removes_orphaned_networks(env: Env) -> None:
         await env.stub.GetMachine(pb.GetMachineRequest(machine_id="m-0ddba11c0ffe"))
 
 
+async def test_the_tap_is_handed_to_the_vm_processs_uid_and_gid() -> None:
+    """#19 finding 5: with --jail every networked machine failed: the tap was root's, the jailed VMM's
+    TUNSETIFF got EPERM. The daemon now hands it to the VM process's uid and gid (a jailed VMM's own)."""
+    from smold.net import AddressPool, NetworkManager
+    from smold.net.manager import GUEST_IF
+    from smold.smolfile.model import AllowRule, NetworkPolicy
+    mgr = NetworkManager(AddressPool("10.214.25.0/24"), resolve=lambda n: [])
+    net = await mgr.setup("m-7a9000000001", NetworkPolicy((AllowRule("cidr", "10.251.9.0/24"),)),
+                          tap_owner=(64177, 64178))
+    try:
+        shown = subprocess.run([*net.launch_prefix(), "ip", "-details", "link", "show", GUEST_IF],
+                               capture_output=True, text=True, timeout=30, check=True).stdout
+        assert "user 64177 group 64178" in shown, shown
+    finally:
+        await mgr.teardown(net)
+    assert network_leftovers(net.namespace, net.host_if) == []
+
+
 @pytest.mark.parametrize("env", [{"net_pool": "10.214.4.0/24"}], indirect=True)
 async def test_run_result_carries_the_network_report_and_run_leaves_nothing(env: Env) -> None:
     sf = spec(network=pb.NetworkPolicy(allow=["10.251.9.0/24"]), task=pb.Command(argv=["true"]),

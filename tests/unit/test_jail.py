@@ -197,9 +197,10 @@ async def test_jailed_snapshot_is_written_in_the_state_dir_and_moved_into_place(
         writer.close()
 
     server = await asyncio.start_unix_server(serve, str(state / "control.sock"))
-    os.chown(state / "control.sock", JailOptions().uid, JailOptions().gid)   # made by the jailed VMM's uid
+    launcher = VmmLauncher("/py", jail=JailOptions())
+    os.chown(state / "control.sock", *launcher.assign_vmm_ids(state))   # made by the jailed VMM's uid
     try:
-        info = await VmmLauncher("/py", jail=JailOptions()).snapshot(state, target)
+        info = await launcher.snapshot(state, target)
     finally:
         server.close()
     assert asked == [str(state / "snapshot.out")]

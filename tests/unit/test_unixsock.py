@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import socket
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,8 +97,47 @@ def test_the_launchers_fixed_names_are_the_vmms() -> None:
     assert launcher_mod.AGENT_VSOCK_PORT == runner.AGENT_VSOCK_PORT
     assert VSOCK_FILE == machine.VSOCK_FILE
     assert launcher_mod.CONTROL_FILE == runner.CONTROL_FILE
-    assert VmmLauncher(jail=launcher_mod.JailOptions(uid=64123)).vmm_uid == 64123
-    assert VmmLauncher().vmm_uid == os.geteuid()
+
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chowns directories to the jail's uids (root)")
+def test_each_jailed_vm_gets_its_own_uid_and_gid_kept_in_its_state_dirs_owner(tmp_path: Path) -> None:
+    """#19 finding 5: every jailed VMM ran as the one --jail-uid, so a VMM a guest took over could signal,
+    trace or write every other machine's VMM and files."""
+    machines = tmp_path / "machines"
+    machines.mkdir()
+    jailed = VmmLauncher(jail=launcher_mod.JailOptions(uid=64100, gid=64300))
+    a, b, c = (machines / n for n in ("m-a", "m-b", "m-c"))
+    for d in (a, b, c):
+        d.mkdir()
+    assert jailed.vmm_ids(a) == (os.geteuid(), os.getegid())          # nothing assigned yet: root's
+    assert jailed.assign_vmm_ids(a) == (64100, 64300)
+    assert jailed.assign_vmm_ids(b) == (64101, 64301)
+    assert jailed.assign_vmm_ids(a) == (64100, 64300)                 # assigned once
+    assert (a.stat().st_uid, a.stat().st_gid) == (64100, 64300)
+    assert VmmLauncher(jail=launcher_mod.JailOptions(uid=64100, gid=64300)).vmm_ids(b) == (64101, 64301)  # a restart
+    a.rmdir()                                                         # a destroyed machine frees its pair
+    assert jailed.assign_vmm_ids(c) == (64100, 64300)
+    os.chown(b, 12345, 12345)                                         # not root's, not the jail's
+    with pytest.raises(LaunchError, match="owned by uid 12345"):
+        jailed.vmm_ids(b)
+    assert VmmLauncher().assign_vmm_ids(b) == (os.geteuid(), os.getegid())   # unjailed: the daemon's own
+    image = types.SimpleNamespace(kernel=Path("/k"), initramfs=Path("/i"), rootfs=Path("/r"))
+    argv = jailed.command(launcher_mod.LaunchSpec("m-c", c, image, 1, 256, "h", 60.0))  # type: ignore[arg-type]
+    assert argv[argv.index("--uid") + 1] == "64100" and argv[argv.index("--gid") + 1] == "64300"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chowns directories to the jail's uids (root)")
+def test_the_jails_uid_range_running_out_fails_the_create_plainly(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launcher_mod, "JAIL_IDS", 2)
+    jailed = VmmLauncher(jail=launcher_mod.JailOptions(uid=64100, gid=64100))
+    for n in "abc":
+        (tmp_path / n).mkdir()
+    jailed.assign_vmm_ids(tmp_path / "a")
+    jailed.assign_vmm_ids(tmp_path / "b")
+    with pytest.raises(launcher_mod.JailIdsExhaustedError, match="all 2 jail uids from 64100 are in use"):
+        jailed.assign_vmm_ids(tmp_path / "c")
 
 
 def test_the_vmm_gets_a_minimal_environment_not_the_daemons(monkeypatch: pytest.MonkeyPatch) -> None:
