@@ -7,6 +7,7 @@ then seconds per guest process start on an emulated-KVM host).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -53,12 +54,21 @@ def artifacts() -> Artifacts:
 
 @pytest.fixture
 def daemon(artifacts: Artifacts) -> Iterator[tuple[pb_grpc.SmolStub, Path]]:
+    with daemon_process() as served:
+        yield served
+
+
+@contextlib.contextmanager
+def daemon_process(*extra: str) -> Iterator[tuple[pb_grpc.SmolStub, Path]]:
+    """A smold process (``extra``: more flags, e.g. --jail) on a fresh state directory; on exit it must stop
+    cleanly within 300 s of SIGTERM and leave no VM process behind."""
     d = Path(tempfile.mkdtemp(prefix="smfk-", dir="/tmp"))
+    os.chmod(d, 0o755)
     sock, state, log = d / "smold.sock", d / "state", d / "smold.log"
     with open(log, "ab") as f:
         proc = subprocess.Popen([sys.executable, "-m", "smold.daemon", "--socket", str(sock), "--state-dir",
                                  str(state), "--max-machines", "4", "--max-memory", "2048", "--log-level", "debug",
-                                 *shared_bakes_args()],
+                                 *shared_bakes_args(), *extra],
                                 stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)
     try:
         deadline = time.monotonic() + 120

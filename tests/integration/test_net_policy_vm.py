@@ -13,14 +13,17 @@ import os
 import shutil
 import time
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from microvm import VM_CPUS
-from test_daemon_fork_vm import artifacts, daemon, sh  # noqa: F401 (fixtures)
+from test_daemon_fork_vm import artifacts, daemon_process, sh  # noqa: F401 (fixtures)
 from test_net_host import HTTP_PORT, OTHER_PORT, world  # noqa: F401 (fixture)
 
 from smold.api.v1 import smol_pb2 as pb
 from smold.api.v1 import smol_pb2_grpc as pb_grpc
+from smold.images.artifacts import Artifacts
 from smold.net import netns
 from smold.net.manager import host_if_name, namespace_name, network_leftovers
 
@@ -29,6 +32,14 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)"),
     pytest.mark.skipif(not all(shutil.which(t) for t in ("nft", "nsenter")), reason="needs nft and nsenter"),
 ]
+
+@pytest.fixture
+def daemon(artifacts: Artifacts) -> Iterator[tuple[pb_grpc.SmolStub, Path]]:  # noqa: F811
+    """A jailed daemon (#19: a networked machine under the jail; each VMM under a uid of its own, its tap handed
+    to that uid): the allowlist, the forwards and the fork below all run through jailed VMMs."""
+    with daemon_process("--jail", "--jail-uid", "64200", "--jail-gid", "64200") as served:
+        yield served
+
 
 PROBE = r"""
 import socket, struct, sys
