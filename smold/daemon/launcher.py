@@ -16,6 +16,7 @@ import importlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -271,10 +272,17 @@ class VmmLauncher(Launcher):
         out = state_dir / SNAPSHOT_OUT
         await asyncio.to_thread(shutil.rmtree, out, True)
         info = await super().snapshot(state_dir, out, timeout, digest=digest)
+        staging = state_dir.parent / f".snapshot-{state_dir.name}-{os.urandom(4).hex()}"
         try:
-            await asyncio.to_thread(shutil.move, out, directory)
+            await asyncio.to_thread(_take_snapshot, out, staging)
         except OSError as e:
             await asyncio.to_thread(shutil.rmtree, out, True)
+            await asyncio.to_thread(shutil.rmtree, staging, True)
+            raise LaunchError(f"the VM process's snapshot is refused: {e}") from None
+        try:
+            await asyncio.to_thread(shutil.move, staging, directory)
+        except OSError as e:
+            await asyncio.to_thread(shutil.rmtree, staging, True)
             raise LaunchError(f"cannot move the snapshot into {directory}: {e}") from None
         info["directory"] = str(directory)
         return info
@@ -323,6 +331,28 @@ class VmmLauncher(Launcher):
         # used. The daemon connects to the one fixed path, only to a socket the VM process's uid made there.
         return await connect_vsock_uds(str(state_dir / VSOCK_FILE), AGENT_VSOCK_PORT, timeout=timeout,
                                        owner=self.vmm_ids(state_dir)[0])
+
+
+def _take_snapshot(out: Path, staging: Path) -> None:
+    """Take the snapshot a jailed VMM wrote at ``out`` (in its state directory) out of its reach, into
+    ``staging`` (root's directory on the same filesystem), and check that it is what a snapshot is: a real
+    directory of plain files with one link each. A link, FIFO or device planted there would be followed by root
+    later (a copy into another filesystem, a restore outside the jail), a hard link would tie it to another
+    file. The directory becomes root's (0755) before the check, so a VMM that kept a descriptor of it can add
+    nothing after; OSError says what was wrong."""
+    st = out.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"{out} is not a directory")
+    os.rename(out, staging)
+    os.chown(staging, 0, 0, follow_symlinks=False)
+    os.chmod(staging, 0o755, follow_symlinks=False)
+    for entry in os.scandir(staging):
+        est = entry.stat(follow_symlinks=False)
+        if not stat.S_ISREG(est.st_mode):
+            raise OSError(f"{entry.name} is not a plain file")
+        if est.st_nlink != 1:
+            raise OSError(f"{entry.name} has {est.st_nlink} links")
+        os.chown(entry.path, 0, 0, follow_symlinks=False)
 
 
 def load_launcher(name: str, seccomp: str = "on", jail: JailOptions | None = None) -> Launcher:

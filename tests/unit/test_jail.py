@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from smold.daemon.errors import LaunchError
 from smold.daemon.images import Image
 from smold.daemon.launcher import JailOptions, LaunchSpec, VmmLauncher
 from smold.jail.cgroup import Cgroup, CgroupError, Limits
@@ -206,6 +207,7 @@ async def test_jailed_snapshot_is_written_in_the_state_dir_and_moved_into_place(
     assert asked == [str(state / "snapshot.out")]
     assert (target / "state.bin").read_text() == "s" and not (state / "snapshot.out").exists()
     assert info["directory"] == str(target)
+    assert {(p.stat().st_uid, p.stat().st_gid) for p in (target, target / "state.bin")} == {(0, 0)}  # out of its reach
 
 
 def test_a_running_cgroups_memory_limit_can_be_lowered_and_raised() -> None:
@@ -282,3 +284,43 @@ def test_a_module_planted_in_the_state_dir_is_never_imported(tmp_path: Path) -> 
     assert r.returncode == 0 and "usage" in r.stdout and not marker.exists(), r.stderr
     subprocess.run([sys.executable, "-m", "smold.jail", "--help"], cwd=state, capture_output=True, timeout=60)
     assert marker.exists()   # what the test guards against: the old command line imports the planted package
+
+
+@pytest.mark.parametrize("plant", ["symlink", "hardlink", "fifo", "subdir"])
+async def test_a_jailed_snapshot_holding_anything_but_plain_files_is_refused(tmp_path: Path, plant: str) -> None:
+    """A jailed VMM writes its snapshot in its own state dir and the daemon (root) moves it into place: a link
+    planted there would later be followed by root (a restore outside the jail, a copy of the checkpoint)."""
+    import asyncio
+
+    state, target = tmp_path / "state", tmp_path / "checkpoints" / ".tmp-1"
+    state.mkdir()
+    target.parent.mkdir()
+    secret = tmp_path / "shadow"
+    secret.write_text("root:secret\n")
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        d = Path(json.loads(await reader.readline())["dir"])
+        d.mkdir()
+        (d / "snapshot.state").write_text("s")
+        if plant == "symlink":
+            (d / "memory.raw").symlink_to(secret)
+        elif plant == "hardlink":
+            os.link(secret, d / "memory.raw")
+        elif plant == "fifo":
+            os.mkfifo(d / "memory.raw")
+        else:
+            (d / "memory.raw").mkdir()
+        writer.write(json.dumps({"ok": True, "snapshot": {"directory": str(d)}}).encode() + b"\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_unix_server(serve, str(state / "control.sock"))
+    launcher = VmmLauncher("/py", jail=JailOptions())
+    os.chown(state / "control.sock", *launcher.assign_vmm_ids(state))
+    try:
+        with pytest.raises(LaunchError, match="snapshot is refused: memory.raw (is not a plain file|has 2 links)"):
+            await launcher.snapshot(state, target)
+    finally:
+        server.close()
+    assert not target.exists() and secret.read_text() == "root:secret\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "shadow", "state"]   # nothing staged left
