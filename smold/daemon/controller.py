@@ -339,7 +339,7 @@ class Controller:
                     await asyncio.wait_for(client.health(), ADOPT_HEALTH_TIMEOUT_S)
                 finally:
                     await client.close()
-            except (AgentError, OSError, TimeoutError) as e:
+            except (AgentError, LaunchError, OSError, TimeoutError) as e:
                 why = f"its guest agent does not answer ({e})"
         if why or proc is None or smolfile is None:
             log.info("cleaning up machine %s: %s", d.name, why)
@@ -1145,7 +1145,7 @@ class Controller:
             async with m.snapshot_lock:
                 await self.launcher.snapshot(m.state_dir, directory.absolute(), SNAPSHOT_TIMEOUT_S,
                                            digest=memory_digest)
-            await asyncio.to_thread((directory / CHECKPOINT_META).write_text, json.dumps(meta, indent=1) + "\n")
+            await asyncio.to_thread(_write_new_file, directory / CHECKPOINT_META, json.dumps(meta, indent=1) + "\n")
         except (LaunchError, OSError) as e:
             await asyncio.to_thread(shutil.rmtree, directory, True)
             if m.exited.is_set():
@@ -1658,10 +1658,25 @@ def _hostname(m: Machine) -> str:
     return re.sub(r"[^a-z0-9-]", "-", base.lower()).strip("-")[:63] or m.id
 
 
+def _write_new_file(path: Path, text: str) -> None:
+    """``text`` as a new file at ``path`` (a fresh inode put in place with rename): never through a file that
+    was there, which a VMM could hold open."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
 def _read_meta(directory: Path) -> dict[str, Any]:
     try:
         meta = json.loads((directory / CHECKPOINT_META).read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointNotFoundError(f"checkpoint {directory.name!r} is unreadable: {e}") from None
     if not isinstance(meta, dict):
         raise CheckpointNotFoundError(f"checkpoint {directory.name!r} is unreadable: not a JSON object")

@@ -214,7 +214,7 @@ class VmmLauncher(Launcher):
         ids = self.vmm_ids(state_dir)
         if ids[0] != os.geteuid():
             return ids
-        taken = set()
+        taken = _process_uids()   # a destroyed machine's VMM that outlived its directory keeps its uid
         with contextlib.suppress(OSError):
             for d in state_dir.parent.iterdir():
                 with contextlib.suppress(OSError):
@@ -274,11 +274,9 @@ class VmmLauncher(Launcher):
         info = await super().snapshot(state_dir, out, timeout, digest=digest)
         staging = state_dir.parent / f".snapshot-{state_dir.name}-{os.urandom(4).hex()}"
         try:
-            await asyncio.to_thread(_take_snapshot, out, staging)
+            await asyncio.to_thread(_take_snapshot, out, staging, self.vmm_ids(state_dir)[0])
         except OSError as e:
-            await asyncio.to_thread(shutil.rmtree, out, True)
-            await asyncio.to_thread(shutil.rmtree, staging, True)
-            raise LaunchError(f"the VM process's snapshot is refused: {e}") from None
+            raise LaunchError(f"the VM process's snapshot is refused: {e.strerror or e}") from None
         try:
             await asyncio.to_thread(shutil.move, staging, directory)
         except OSError as e:
@@ -333,26 +331,70 @@ class VmmLauncher(Launcher):
                                        owner=self.vmm_ids(state_dir)[0])
 
 
-def _take_snapshot(out: Path, staging: Path) -> None:
+def _process_uids() -> set[int]:
+    """The uids of every process on the host (the owners of /proc's PID directories)."""
+    uids = set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    uids.add(entry.stat(follow_symlinks=False).st_uid)
+    return uids
+
+
+SNAPSHOT_NAMES = frozenset({"snapshot.state", "memory.raw"})   # smold/snapshot/store.py: all a snapshot holds
+
+
+def _take_snapshot(out: Path, staging: Path, owner: int) -> None:
     """Take the snapshot a jailed VMM wrote at ``out`` (in its state directory) out of its reach, into
-    ``staging`` (root's directory on the same filesystem), and check that it is what a snapshot is: a real
-    directory of plain files with one link each. A link, FIFO or device planted there would be followed by root
-    later (a copy into another filesystem, a restore outside the jail), a hard link would tie it to another
-    file. The directory becomes root's (0755) before the check, so a VMM that kept a descriptor of it can add
-    nothing after; OSError says what was wrong."""
-    st = out.lstat()
-    if not stat.S_ISDIR(st.st_mode):
-        raise OSError(f"{out} is not a directory")
-    os.rename(out, staging)
-    os.chown(staging, 0, 0, follow_symlinks=False)
-    os.chmod(staging, 0o755, follow_symlinks=False)
-    for entry in os.scandir(staging):
-        est = entry.stat(follow_symlinks=False)
-        if not stat.S_ISREG(est.st_mode):
-            raise OSError(f"{entry.name} is not a plain file")
-        if est.st_nlink != 1:
-            raise OSError(f"{entry.name} has {est.st_nlink} links")
-        os.chown(entry.path, 0, 0, follow_symlinks=False)
+    ``staging`` (root's path on the same filesystem), and check that it is what a snapshot is: a real directory
+    holding only the snapshot's own files, each a plain file with one link. A link, FIFO or device planted there
+    would be followed by root later (a copy into another filesystem, a restore outside the jail), a hard link
+    would tie it to another file, a file of another name (say checkpoint.json, kept open) would let the VMM
+    write what the daemon reads back. Everything is done through descriptors opened without following links:
+    each must be the VMM's (``owner``) with one link before anything is changed (so no other file is ever
+    touched, whatever protected_hardlinks says), then becomes root's, mode 0755 and 0644, and is checked again,
+    so a VMM that kept a descriptor of either can add, link or rename nothing after. OSError says what was
+    wrong; whatever was renamed into ``staging`` is removed then."""
+    os.rename(out, staging)   # whatever it is now: a symlink is renamed as itself, never followed
+    try:
+        try:
+            dfd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            raise OSError(f"{out.name} is not a directory") from None
+        try:
+            if os.fstat(dfd).st_uid != owner:
+                raise OSError(f"{out.name} is not the VM process's")
+            os.fchown(dfd, 0, 0)
+            os.fchmod(dfd, 0o755)
+            for name in os.listdir(dfd):
+                if name not in SNAPSHOT_NAMES:
+                    raise OSError(f"{name} is not a file a snapshot holds")
+                try:
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+                except OSError:
+                    raise OSError(f"{name} is not a plain file") from None
+                try:
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode):
+                        raise OSError(f"{name} is not a plain file")
+                    if st.st_uid != owner or st.st_nlink != 1:
+                        raise OSError(f"{name} is not the VM process's own file with one link")
+                    os.fchown(fd, 0, 0)
+                    os.fchmod(fd, 0o644)
+                    if os.fstat(fd).st_nlink != 1:   # linked while it was still the VMM's
+                        raise OSError(f"{name} was linked elsewhere")
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        if staging.is_dir() and not staging.is_symlink():
+            shutil.rmtree(staging, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                staging.unlink()
+        raise
 
 
 def load_launcher(name: str, seccomp: str = "on", jail: JailOptions | None = None) -> Launcher:

@@ -192,22 +192,25 @@ async def test_jailed_snapshot_is_written_in_the_state_dir_and_moved_into_place(
         req = json.loads(await reader.readline())
         asked.append(req["dir"])
         Path(req["dir"]).mkdir()
-        (Path(req["dir"]) / "state.bin").write_text("s")
+        (Path(req["dir"]) / "snapshot.state").write_text("s")
+        os.chown(req["dir"], *vmm)
+        os.chown(Path(req["dir"]) / "snapshot.state", *vmm)
         writer.write(json.dumps({"ok": True, "snapshot": {"directory": req["dir"]}}).encode() + b"\n")
         await writer.drain()
         writer.close()
 
     server = await asyncio.start_unix_server(serve, str(state / "control.sock"))
     launcher = VmmLauncher("/py", jail=JailOptions())
-    os.chown(state / "control.sock", *launcher.assign_vmm_ids(state))   # made by the jailed VMM's uid
+    vmm = launcher.assign_vmm_ids(state)
+    os.chown(state / "control.sock", *vmm)   # made by the jailed VMM's uid
     try:
         info = await launcher.snapshot(state, target)
     finally:
         server.close()
     assert asked == [str(state / "snapshot.out")]
-    assert (target / "state.bin").read_text() == "s" and not (state / "snapshot.out").exists()
+    assert (target / "snapshot.state").read_text() == "s" and not (state / "snapshot.out").exists()
     assert info["directory"] == str(target)
-    assert {(p.stat().st_uid, p.stat().st_gid) for p in (target, target / "state.bin")} == {(0, 0)}  # out of its reach
+    assert {(p.stat().st_uid, p.stat().st_gid) for p in (target, target / "snapshot.state")} == {(0, 0)}  # out of reach
 
 
 def test_a_running_cgroups_memory_limit_can_be_lowered_and_raised() -> None:
@@ -286,7 +289,7 @@ def test_a_module_planted_in_the_state_dir_is_never_imported(tmp_path: Path) -> 
     assert marker.exists()   # what the test guards against: the old command line imports the planted package
 
 
-@pytest.mark.parametrize("plant", ["symlink", "hardlink", "fifo", "subdir"])
+@pytest.mark.parametrize("plant", ["symlink", "hardlink", "fifo", "subdir", "meta", "outlink", "roots"])
 async def test_a_jailed_snapshot_holding_anything_but_plain_files_is_refused(tmp_path: Path, plant: str) -> None:
     """A jailed VMM writes its snapshot in its own state dir and the daemon (root) moves it into place: a link
     planted there would later be followed by root (a restore outside the jail, a copy of the checkpoint)."""
@@ -300,27 +303,40 @@ async def test_a_jailed_snapshot_holding_anything_but_plain_files_is_refused(tmp
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         d = Path(json.loads(await reader.readline())["dir"])
-        d.mkdir()
-        (d / "snapshot.state").write_text("s")
+        if plant == "outlink":            # snapshot.out itself a link to a directory of the host's
+            d.symlink_to(tmp_path)
+        else:
+            d.mkdir()
+            (d / "snapshot.state").write_text("s")
+            os.chown(d, *vmm)
+            os.chown(d / "snapshot.state", *vmm)
         if plant == "symlink":
             (d / "memory.raw").symlink_to(secret)
         elif plant == "hardlink":
             os.link(secret, d / "memory.raw")
         elif plant == "fifo":
             os.mkfifo(d / "memory.raw")
-        else:
+        elif plant == "subdir":
             (d / "memory.raw").mkdir()
+        elif plant == "meta":             # a name the daemon writes itself, to be kept open and rewritten
+            (d / "checkpoint.json").write_text("{}")
+        elif plant == "roots":            # a file the VMM did not write
+            (d / "memory.raw").write_text("m")
         writer.write(json.dumps({"ok": True, "snapshot": {"directory": str(d)}}).encode() + b"\n")
         await writer.drain()
         writer.close()
 
     server = await asyncio.start_unix_server(serve, str(state / "control.sock"))
     launcher = VmmLauncher("/py", jail=JailOptions())
-    os.chown(state / "control.sock", *launcher.assign_vmm_ids(state))
+    vmm = launcher.assign_vmm_ids(state)
+    os.chown(state / "control.sock", *vmm)
+    mode = secret.stat().st_mode
     try:
-        with pytest.raises(LaunchError, match="snapshot is refused: memory.raw (is not a plain file|has 2 links)"):
+        with pytest.raises(LaunchError, match="snapshot is refused: (memory.raw is not a plain file|memory.raw is "
+                           "not the VM process's own|checkpoint.json is not a file a snapshot holds|snapshot.out "
+                           "is not a directory)"):
             await launcher.snapshot(state, target)
     finally:
         server.close()
-    assert not target.exists() and secret.read_text() == "root:secret\n"
+    assert not target.exists() and secret.read_text() == "root:secret\n" and secret.stat().st_mode == mode
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "shadow", "state"]   # nothing staged left

@@ -97,6 +97,8 @@ def test_the_launchers_fixed_names_are_the_vmms() -> None:
     assert launcher_mod.AGENT_VSOCK_PORT == runner.AGENT_VSOCK_PORT
     assert VSOCK_FILE == machine.VSOCK_FILE
     assert launcher_mod.CONTROL_FILE == runner.CONTROL_FILE
+    from smold.snapshot import store
+    assert launcher_mod.SNAPSHOT_NAMES == {store.STATE_FILE, store.MEMORY_FILE}
 
 
 
