@@ -77,6 +77,11 @@ class DaemonConfig:
         return self.state_dir / "machines"
 
     @property
+    def records_dir(self) -> Path:
+        """The daemon's own records of each machine (smold/daemon/record.py), where no VMM can write."""
+        return self.state_dir / "records"
+
+    @property
     def checkpoints_dir(self) -> Path:
         """Named checkpoints (Snapshot RPC; CreateMachine.from_checkpoint): ``<name>/``."""
         return self.state_dir / "checkpoints"

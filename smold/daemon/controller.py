@@ -51,6 +51,7 @@ from smold.api.machine import (
 )
 from smold.authrecord import KEY_FILE, RecordAuthError, RecordKey, read_unverified
 from smold.net import AddressPool, ForwardError, NetError, NetworkManager, NftError, VmNetwork
+from smold.net.manager import NET_FILE
 from smold.smolfile import (
     Check,
     NetworkPolicy,
@@ -109,7 +110,7 @@ from .process import (
     is_same_process,
     kill_group,
 )
-from .record import RECORD_FILE, MachineRecord, RecordError
+from .record import RECORD_FILE, MachineRecord, RecordError, record_dir
 
 log = logging.getLogger("smold.controller")
 OUTPUTS_ARTIFACT = "outputs.tar"  # a sealed Run's re-packed outputs, kept with its result
@@ -192,9 +193,17 @@ class Machine:
             argv=list(proc.argv) if proc else [], started=proc.started if proc else None,
             failure_reason=self.failure_reason, checkpoint=str(self.checkpoint or ""), run_result=self.run_result)
 
+    @property
+    def record_dir(self) -> Path:
+        """The daemon's records of it (machine.json, net.json): out of its VMM's reach."""
+        return record_dir(self.state_dir)
+
     def save(self, key: RecordKey) -> None:
-        with contextlib.suppress(OSError):  # the state dir may be gone (destroyed meanwhile)
-            self.record().save(self.state_dir, key)
+        if not self.state_dir.is_dir():   # destroyed meanwhile: no record to leave behind
+            return
+        with contextlib.suppress(OSError):
+            self.record_dir.mkdir(mode=0o700, exist_ok=True)
+            self.record().save(self.record_dir, key)
 
 
 EXIT_FIELD_CHARS = 500   # of each exit.json field in a failure reason (the VMM wrote them)
@@ -234,6 +243,7 @@ class Controller:
     # --- start-up: re-adopt or clean up what an earlier daemon left ---------------------------------------
     async def start(self) -> None:
         self.config.machines_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.config.records_dir.mkdir(exist_ok=True, mode=0o700)
         self.record_key = RecordKey.load_or_create(self.config.state_dir / KEY_FILE)
         self.network.record_key = self.record_key
         self.config.bakes_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -247,6 +257,9 @@ class Controller:
             else:
                 with contextlib.suppress(OSError):
                     d.unlink()
+        for r in sorted(self.config.records_dir.iterdir()):   # records of machines whose directory is gone
+            if not (self.config.machines_dir / r.name).is_dir():
+                await asyncio.to_thread(_remove_path, r)
         await asyncio.to_thread(self._clean_checkpoint_dirs)
 
     async def _clean_host_side(self, machine_dir: Path) -> None:
@@ -282,6 +295,7 @@ class Controller:
             await self._kill_stray(pid)
         await self._clean_host_side(d)
         await asyncio.to_thread(shutil.rmtree, d, True)
+        await asyncio.to_thread(_remove_path, record_dir(d))
 
     @staticmethod
     def _unverified_vmm_pid(d: Path) -> int | None:
@@ -289,7 +303,8 @@ class Controller:
         killed only if it is alive with exactly that argv and start time and its argv names this machine's own
         directory: a forged record cannot get another process killed."""
         try:
-            data = read_unverified(d / RECORD_FILE)
+            path = record_dir(d) / RECORD_FILE
+            data = read_unverified(path if path.exists() else d / RECORD_FILE)   # an older daemon's: in d
             pid, argv, started = data.get("pid"), data.get("argv"), data.get("started")
         except RecordAuthError:
             return None
@@ -300,10 +315,26 @@ class Controller:
             return None
         return pid if is_same_process(pid, argv, started) else None
 
+    def _load_record(self, d: Path) -> MachineRecord:
+        """The machine's record from the records directory; one that an older daemon kept in the machine's own
+        directory is taken from there (it must verify all the same) and moved with its net.json."""
+        rd = record_dir(d)
+        if not (rd / RECORD_FILE).exists() and (d / RECORD_FILE).exists():
+            rec = MachineRecord.load(d, self.record_key)
+            rd.mkdir(mode=0o700, exist_ok=True)
+            rec.save(rd, self.record_key)
+            (d / RECORD_FILE).unlink()
+            if (d / NET_FILE).exists():
+                self.record_key.write(rd / NET_FILE, self.record_key.read(d / NET_FILE, f"{NET_FILE} {d.name}"),
+                                      f"{NET_FILE} {d.name}")
+                (d / NET_FILE).unlink()
+            return rec
+        return MachineRecord.load(rd, self.record_key)
+
     async def _adopt_or_clean(self, d: Path) -> None:
         try:
-            rec = MachineRecord.load(d, self.record_key)
-        except RecordError as e:
+            rec = self._load_record(d)
+        except (RecordError, RecordAuthError) as e:
             log.warning("removing %s: %s", d, e)
             await self._remove_leftovers(d, self._unverified_vmm_pid(d))
             return
@@ -349,7 +380,7 @@ class Controller:
         net: VmNetwork | None = None
         if smolfile.network.enabled:
             try:
-                net = await self.network.adopt(rec.id, smolfile.network, d)
+                net = await self.network.adopt(rec.id, smolfile.network, record_dir(d))
             except (NetError, OSError) as e:
                 log.info("cleaning up machine %s: its network cannot be re-adopted (%s)", d.name, e)
                 await self._remove_leftovers(d, proc.pid)
@@ -604,7 +635,7 @@ class Controller:
         if m.smolfile.network.enabled:  # its own namespace, uplink, tap, rules and resolver, before the VMM
             try:
                 fork_child = m.checkpoint is not None and m.checkpoint.parent == self.config.forks_dir
-                m.net = await self.network.setup(m.id, m.smolfile.network, state_dir=m.state_dir,
+                m.net = await self.network.setup(m.id, m.smolfile.network, state_dir=m.record_dir,
                                                  auto_ports=fork_child, tap_owner=vmm_ids)
             except ForwardError as e:
                 raise CreateFailedError(f"{e} (choose another host port in network.forward, or none for a free "
@@ -1014,7 +1045,7 @@ class Controller:
             raise RefusedByPolicyError('network = "public": this daemon gives no machine public egress '
                                        "(smold --no-public-network); list the destinations in network.allow instead")
         try:
-            await self.network.update(m.net, policy, m.state_dir)
+            await self.network.update(m.net, policy, m.record_dir)
         except NftError as e:   # the host's nft failed: the old policy is still in force
             raise DaemonError(f"machine {m.id}: the new network policy could not be applied (the old one stays): "
                               f"{e}") from None
@@ -1056,6 +1087,7 @@ class Controller:
                 log.error("machine %s: tearing down its network failed: %s", m.id, e)
             m.net = None
         await asyncio.to_thread(shutil.rmtree, m.state_dir, True)
+        await asyncio.to_thread(_remove_path, m.record_dir)
         leftovers = await asyncio.to_thread(self._leftovers, m)
         if leftovers:
             m.phase = MachineState.FAILED
@@ -1105,6 +1137,8 @@ class Controller:
                 out.append(f"processes {members} of its group still run")
         if m.state_dir.exists():
             out.append(f"{m.state_dir} still exists")
+        if m.record_dir.exists():
+            out.append(f"{m.record_dir} still exists")
         if m.smolfile.network.enabled:
             out.extend(self.network.leftovers(m.id))
         out.extend(self.launcher.leftovers(m.id))
@@ -1656,6 +1690,15 @@ def _finish_bake(tmp: Path, final: Path, meta: BakeMeta, key: RecordKey, *, repl
 def _hostname(m: Machine) -> str:
     base = m.name or m.id
     return re.sub(r"[^a-z0-9-]", "-", base.lower()).strip("-")[:63] or m.id
+
+
+def _remove_path(path: Path) -> None:
+    """Remove a directory tree, or whatever else is at ``path``; nothing if nothing is there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def _write_new_file(path: Path, text: str) -> None:

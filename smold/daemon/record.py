@@ -1,5 +1,6 @@
-"""The small JSON record each machine keeps in its state directory, so a restarted daemon can re-adopt it
-(authenticated with the daemon's key: the directory is the jailed VMM's too; smold/authrecord.py)."""
+"""The small JSON record the daemon keeps of each machine, so a restarted daemon can re-adopt it: in
+``STATE_DIR/records/<id>/`` (0700, root's), not in the machine's state directory, which its jailed VMM owns;
+authenticated with the daemon's key all the same (smold/authrecord.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ from smold.authrecord import RecordAuthError, RecordKey
 
 RECORD_FILE = "machine.json"
 RECORD_VERSION = 1
+RECORDS_DIR = "records"   # beside machines/ in the daemon's state directory
+
+
+def record_dir(state_dir: Path) -> Path:
+    """Where the daemon keeps the records of the machine whose state directory is ``state_dir``
+    (``STATE_DIR/machines/<id>`` -> ``STATE_DIR/records/<id>``): out of its VMM's reach."""
+    return state_dir.parent.parent / RECORDS_DIR / state_dir.name
 
 
 class RecordError(Exception):

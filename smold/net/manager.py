@@ -68,7 +68,7 @@ GUEST_MAC = "02:73:6d:6f:6c:02"  # locally administered; the same in every names
 # The gateway's (tap0's) MAC, also the same everywhere: a fork child or restored copy keeps the ARP entry it
 # had for its gateway, which must stay valid in its new namespace.
 GATEWAY_MAC = "02:73:6d:6f:6c:01"
-NET_FILE = "net.json"            # in the machine's state directory: what a restarted daemon re-adopts
+NET_FILE = "net.json"            # in the daemon's record directory of the machine: what a restarted daemon re-adopts
 
 
 def machine_suffix(machine_id: str) -> str:
@@ -184,8 +184,8 @@ class NetworkManager:
         self._pool_in_host_table = False
         self._host_chains_checked = False
         self.networks: dict[str, VmNetwork] = {}
-        # net.json sits in the machine's state dir, where a jailed VMM can write: it is authenticated, and a
-        # restarted daemon adopts only a record of its own (the daemon sets its persistent key here)
+        # net.json sits in the daemon's record directory of the machine (out of its VMM's reach), and is
+        # authenticated as well: a restarted daemon adopts only a record of its own (the daemon sets its key here)
         self.record_key = record_key or RecordKey.generate()
 
     def _write_record(self, state_dir: Path, net: VmNetwork) -> None:

@@ -257,12 +257,14 @@ def test_kill_9_restart_readopt_and_destroy(daemon: Daemon, workdir: Path) -> No
     mdir = daemon.state / "machines" / b
     before = (vmm_processes(mdir), sockets_under(mdir), sorted(p.name for p in mdir.iterdir()))
     assert before[0] == [pid_b] and str(mdir / "vsock.sock") in before[1]
-    assert {"machine.json", "ready.json", "console.log", "vsock.sock"} <= set(before[2])
+    assert {"ready.json", "console.log", "vsock.sock"} <= set(before[2])
+    records = daemon.state / "records" / b     # machine.json: the daemon's, out of the VMM's reach
+    assert (records / "machine.json").is_file() and "machine.json" not in before[2]
     t0 = time.monotonic()
     r = daemon.smolctl("rm", b)
     assert r.returncode == 0, r.stderr
     print(f"\ndestroy of a running VM: {time.monotonic() - t0:.2f}s")
-    assert (vmm_processes(mdir), sockets_under(mdir), mdir.exists()) == ([], [], False)
+    assert (vmm_processes(mdir), sockets_under(mdir), mdir.exists(), records.exists()) == ([], [], False, False)
     assert not alive(pid_b)
     assert daemon.smolctl("ls", "-q").stdout == b""
 

@@ -195,10 +195,13 @@ async def test_create_exec_copy_verify_destroy_leaves_nothing(env: Env) -> None:
     before = machine_traces(env, m.id, m.vmm_pid)
     assert m.vmm_pid in before["processes"]
     assert any(s.endswith("agent.sock") for s in before["sockets"])
-    assert {"machine.json", "ready.json", "vmm.log", "agent.sock"} <= set(before["files"])
+    assert {"ready.json", "vmm.log", "agent.sock"} <= set(before["files"])
+    records = env.machines_dir.parent / "records" / m.id      # the daemon's own, out of the VMM's reach
+    assert (records / "machine.json").is_file() and "machine.json" not in before["files"]
 
     await env.stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))
     assert machine_traces(env, m.id, m.vmm_pid) == {"processes": [], "sockets": [], "files": []}
+    assert not records.exists()
     assert not (env.machines_dir / m.id).exists() and not pid_alive(sleeper)
     assert (await env.stub.ListMachines(pb.ListMachinesRequest())).machines == []
     with pytest.raises(grpc.aio.AioRpcError) as info:

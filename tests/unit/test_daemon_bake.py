@@ -231,7 +231,7 @@ async def test_bake_then_create_and_run_restore_it(env: Env) -> None:
     # Same boot state with a verifier and other timeouts: restored, setup not run again.
     m = (await s.CreateMachine(pb.CreateMachineRequest(name="a", smolfile=request(env, text + VERIFIER)))).machine
     assert m.state == pb.MACHINE_STATE_RUNNING and m.restored_from == f"bake:{bake.key}"
-    assert MachineRecord.load(env.state / "machines" / m.id, env.daemon.controller.record_key).checkpoint == str(path)
+    assert MachineRecord.load(env.state / "records" / m.id, env.daemon.controller.record_key).checkpoint == str(path)
     assert setup_runs(env) == 1
     assert (await s.Verify(pb.VerifyRequest(machine_id="a"))).result.passed
     listed = (await s.ListBakes(pb.ListBakesRequest())).bakes

@@ -48,8 +48,8 @@ async def test_networked_machine_runs_in_its_namespace_reports_and_leaves_nothin
     got = (await env.stub.GetMachine(pb.GetMachineRequest(machine_id=m.id))).machine
     assert got.HasField("network")
     assert {c.name for c in got.network.counters} >= {"denied_forward", "denied_input", "allowed_forward"}
-    record = (env.machines_dir / m.id / "net.json").read_text()
-    assert ns in record
+    record = (env.machines_dir.parent / "records" / m.id / "net.json").read_text()   # out of the VMM's reach
+    assert ns in record and not (env.machines_dir / m.id / "net.json").exists()
 
     await env.stub.DestroyMachine(pb.DestroyMachineRequest(machine_id=m.id))
     assert network_leftovers(ns, host_if_name(m.id)) == []
@@ -146,7 +146,7 @@ class Restarts:
         """A machine created by d: its id and its VM process's pid."""
         m = ok(d.smolctl("create", str(task))).strip()
         self.machines.append(m)
-        return m, int(json.loads((d.state / "machines" / m / "machine.json").read_text())["pid"])
+        return m, int(json.loads((d.state / "records" / m / "machine.json").read_text())["pid"])
 
 
 def ok(r: subprocess.CompletedProcess[bytes]) -> str:
@@ -209,13 +209,13 @@ def test_a_daemon_restarted_without_public_network_cleans_up_public_machines_and
 
 
 def test_a_forged_net_record_is_not_adopted(restarts: Restarts) -> None:
-    """#19 finding 6: net.json sits in the state dir a jailed VMM owns. Before, a restarted daemon re-applied
-    whatever policy it recorded (here: everything allowed); now a record without the daemon's MAC is refused and
-    the machine cleaned up."""
+    """#19 finding 6: net.json sat in the state dir a jailed VMM owns. Before, a restarted daemon re-applied
+    whatever policy it recorded (here: everything allowed). Now it is kept in the daemon's records directory,
+    and a record without the daemon's MAC is refused there too: the machine is cleaned up."""
     d1 = restarts.daemon("--net-pool", "10.214.23.0/24")
     forged, pid = restarts.create(d1, restarts.task("task", '{ allow = ["10.251.9.0/24"] }'))
     d1.kill()
-    record = d1.state / "machines" / forged / "net.json"
+    record = d1.state / "records" / forged / "net.json"
     data = json.loads(record.read_text())
     data["policy"]["allow"] = ["0.0.0.0/0"]
     record.write_text(json.dumps(data))
@@ -294,7 +294,7 @@ async def test_set_network_policy_changes_a_running_machines_policy(env: Env) ->
     await env.stub.SetNetworkPolicy(pb.SetNetworkPolicyRequest(machine_id=m.id, policy=pb.NetworkPolicy(
         allow=["10.251.9.0/24"])))
     assert host_if_name(m.id) not in nft.set_elements(None, SET_PUBLIC_UPLINKS, HOST_TABLE)
-    net_json = (env.machines_dir / m.id / "net.json").read_text()
+    net_json = (env.machines_dir.parent / "records" / m.id / "net.json").read_text()
     assert '"allow": ["10.251.9.0/24"]' in net_json and '"generation": 3' in net_json
 
     async def refused(machine: str, policy: pb.NetworkPolicy) -> tuple[grpc.StatusCode, str]:

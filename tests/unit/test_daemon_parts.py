@@ -154,6 +154,37 @@ def test_record_round_trip_and_rejects(tmp_path: Path) -> None:
         MachineRecord.load(d, key)
 
 
+def test_an_older_daemons_record_in_the_machine_dir_moves_to_the_records_dir(tmp_path: Path) -> None:
+    """Records used to sit in the machine's own (VMM-writable) directory: a daemon that finds one there takes it,
+    only if it verifies, into STATE_DIR/records/<id>/ (0700) with its net.json, and reads only there after."""
+    from smold.daemon.controller import Controller
+    from smold.daemon.record import record_dir
+
+    config = DaemonConfig(socket_path=tmp_path / "s", state_dir=tmp_path / "state")
+    ctl = Controller(config, VmmLauncher())
+    d = config.machines_dir / "m-0123456789ab"
+    d.mkdir(parents=True)
+    config.records_dir.mkdir()
+    rec = MachineRecord(id=d.name, name="n", phase="running", created_at=datetime.now(UTC).isoformat(), cpus=1,
+                        memory_mib=128, image="default", image_digest="sha256:i", smolfile={"cpus": 1},
+                        smolfile_digest="sha256:s", base_dir=None, launcher="vmm", pid=5, argv=["a"], started=7)
+    rec.save(d, ctl.record_key)
+    ctl.record_key.write(d / "net.json", {"policy": {"allow": []}}, f"net.json {d.name}")
+    assert ctl._load_record(d) == rec
+    rd = record_dir(d)
+    assert rd == config.records_dir / d.name and (rd.stat().st_mode & 0o777) == 0o700
+    assert sorted(p.name for p in rd.iterdir()) == ["machine.json", "net.json"]
+    assert not (d / "machine.json").exists() and not (d / "net.json").exists()
+    (d / "machine.json").write_text('{"forged": true}')                 # planted later: never read
+    assert ctl._load_record(d) == rec
+    other = config.machines_dir / "m-ba9876543210"                      # an old record that does not verify
+    other.mkdir()
+    (other / "machine.json").write_text('{"version": 1}')
+    with pytest.raises(RecordError, match="no MAC"):
+        ctl._load_record(other)
+    assert not record_dir(other).exists()
+
+
 def test_exit_status_and_proc_helpers() -> None:
     assert ExitStatus(0).describe() == "exited with status 0"
     assert ExitStatus(-signal.SIGKILL).describe() == "killed by SIGKILL"

@@ -40,7 +40,7 @@ def ok(r: subprocess.CompletedProcess[bytes]) -> str:
 
 
 def machine_pid(d: DaemonProcess, mid: str) -> int:
-    return int(json.loads((d.state / "machines" / mid / "machine.json").read_text())["pid"])
+    return int(json.loads((d.state / "records" / mid / "machine.json").read_text())["pid"])
 
 
 def test_restart_readopts_running_machines_and_cleans_up_the_rest(workdir: Path) -> None:
@@ -78,16 +78,18 @@ def test_restart_readopts_running_machines_and_cleans_up_the_rest(workdir: Path)
 
 
 def test_a_machine_record_the_vm_process_could_have_forged_is_not_adopted(workdir: Path) -> None:
-    """#19 finding 6: machine.json sits in the state dir a jailed VMM owns. Before, a restarted daemon adopted
-    whatever record it found there (a forged Smolfile: other allowed names, other mounts); now a record without
-    this daemon's MAC is not adopted: the machine is cleaned up."""
+    """#19 finding 6: machine.json sat in the state dir a jailed VMM owns. Before, a restarted daemon adopted
+    whatever record it found there (a forged Smolfile: other allowed names, other mounts). Now the daemon keeps
+    it in its own records directory, where the VMM cannot write (one planted in the machine's directory is
+    never read), and a record without this daemon's MAC is not adopted: the machine is cleaned up."""
     d1 = DaemonProcess(workdir).start()
     try:
         mid = ok(d1.smolctl("create", str(workdir / "task"), "--name", "forged")).strip()
         pid = machine_pid(d1, mid)
     finally:
         d1.kill()
-    record = d1.state / "machines" / mid / "machine.json"
+    record = d1.state / "records" / mid / "machine.json"
+    assert not (d1.state / "machines" / mid / "machine.json").exists()
     data = json.loads(record.read_text())
     data["smolfile"]["env"] = {"FORGED": "1"}
     record.write_text(json.dumps(data))
@@ -95,7 +97,7 @@ def test_a_machine_record_the_vm_process_could_have_forged_is_not_adopted(workdi
     try:
         assert mid not in ok(d2.smolctl("ls"))
         assert wait_until(lambda: not pid_alive(pid))
-        assert not (d2.state / "machines" / mid).exists()
+        assert not (d2.state / "machines" / mid).exists() and not (d2.state / "records" / mid).exists()
         assert f"removing {d2.state / 'machines' / mid}" in d2.log_text() and "MAC does not verify" in d2.log_text()
     finally:
         assert d2.terminate() == 0
@@ -130,7 +132,7 @@ def test_sigterm_with_leave_keeps_machines_for_the_next_daemon(workdir: Path) ->
     mid = ok(d1.smolctl("create", str(workdir / "task"))).strip()
     pid = machine_pid(d1, mid)
     assert d1.terminate() == 0
-    assert pid_alive(pid) and (d1.state / "machines" / mid / "machine.json").exists()
+    assert pid_alive(pid) and (d1.state / "records" / mid / "machine.json").exists()
     # A daemon that adopts it but then cannot serve (its socket path is a regular file) leaves it alone.
     blocked = DaemonProcess(workdir)
     blocker = workdir / "not-a-socket"

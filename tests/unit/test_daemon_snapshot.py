@@ -197,7 +197,7 @@ async def test_snapshot_writes_a_named_checkpoint_and_create_restores_it(env: En
                        "must be unset with from_checkpoint")
     r = (await s.CreateMachine(pb.CreateMachineRequest(name="copy", from_checkpoint="base-1"))).machine
     assert r.state == pb.MACHINE_STATE_RUNNING and r.memory_mib == 256 and r.image_digest == m.image_digest
-    rec = MachineRecord.load(env.state / "machines" / r.id, env.daemon.controller.record_key)
+    rec = MachineRecord.load(env.state / "records" / r.id, env.daemon.controller.record_key)
     assert rec.checkpoint == str(path)
     # A named checkpoint outlives the machines restored from it.
     await s.DestroyMachine(pb.DestroyMachineRequest(machine_id="copy"))
@@ -264,7 +264,7 @@ async def test_fork_children_are_machines_and_the_base_goes_with_the_last(env: E
     assert fake.calls[0][1][0] == bases[0] and fake.calls[0][1][1] is True  # the parent resumes
     assert list((env.state / "checkpoints").iterdir()) == []
     for k in kids:
-        assert MachineRecord.load(env.state / "machines" / k.id, env.daemon.controller.record_key).checkpoint == str(bases[0])
+        assert MachineRecord.load(env.state / "records" / k.id, env.daemon.controller.record_key).checkpoint == str(bases[0])
         out = b""
         async for msg in s.Exec(pb.ExecRequest(machine_id=k.id, argv=["echo", k.id])):
             out += msg.stdout
